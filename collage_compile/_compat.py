@@ -1,0 +1,130 @@
+"""The one door to private torch APIs (Dynamo, AOTAutograd, Inductor internals).
+
+Checked on torch 2.13.0 (CPU wheel, C++ codegen) and written against the 2.11 image's API
+(CUDA, Triton codegen).  When torch changes, this file changes; nothing else in the package
+imports ``torch._dynamo``, ``torch._inductor``, ``torch._guards`` or ``torch._subclasses``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+CHECKED_TORCH_VERSIONS = ("2.11", "2.13")
+
+
+def torch_version() -> str:
+    return torch.__version__.split("+")[0]
+
+
+def fake_mode_of(example_inputs: Sequence[Any], gm: fx.GraphModule) -> Any:
+    """The FakeTensorMode Dynamo traced ``gm`` under (to make example values for new inputs)."""
+    from torch._guards import TracingContext, detect_fake_mode
+
+    ctx = TracingContext.try_get()
+    if ctx is not None and ctx.fake_mode is not None:
+        return ctx.fake_mode
+    mode = detect_fake_mode(example_inputs)
+    if mode is not None:
+        return mode
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if is_fake(val):
+            return val.fake_mode
+    return None
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def example_value(node: fx.Node) -> Any:
+    """Dynamo's example value of a node (a fake tensor, a list of them, or a constant)."""
+    meta = node.meta
+    if "example_value" in meta:
+        return meta["example_value"]
+    return meta.get("val")
+
+
+def set_example_value(node: fx.Node, value: Any) -> None:
+    node.meta["example_value"] = value
+
+
+def mark_new_input(node: fx.Node) -> None:
+    """A placeholder we add has no Dynamo source (AOTAutograd reads ``_dynamo_source``)."""
+    node._dynamo_source = None  # type: ignore[attr-defined]
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copied graph; Dynamo reads the original's placeholders after
+    the backend returns, so the graph it hands us is never mutated."""
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+    new_gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new_gm.meta = dict(gm.meta)
+    for attr in ("_param_name_to_source", "shape_env", "compile_subgraph_reason"):
+        if hasattr(gm, attr):
+            setattr(new_gm, attr, getattr(gm, attr))
+    return new_gm
+
+
+def compile_with_inductor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config_patches: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Exactly what ``backend="inductor"`` does, optionally with scoped config patches."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable identity of ``t``'s storage, valid for fake and real tensors."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def register_backend_name() -> None:
+    """Fallback registration for checkouts run without installation (entry point absent)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "collage" not in _BACKENDS:
+        from collage_compile.compiler import _registered_backend
+
+        register_backend(name="collage")(_registered_backend)
+
+
+def fused_optimizer_ops() -> dict[Any, str]:
+    """torch.optim ``fused=True`` kernels, opaque to a graph rewrite, mapped to a readable name."""
+    names = {
+        "_fused_adam_": "Adam(fused=True)",
+        "_fused_adamw_": "AdamW(fused=True)",
+        "_fused_sgd_": "SGD(fused=True)",
+        "_fused_adagrad_": "Adagrad(fused=True)",
+    }
+    return {getattr(torch, n): label for n, label in names.items() if hasattr(torch, n)}
+
+
+def run_and_get_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
+    """Run a compiled function and return (result, generated source files) (tests use it)."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn, *args)
+
+
+def reset_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -1,0 +1,164 @@
+"""The backend: Dynamo graph in, Inductor-compiled callable with MCF accumulators out.
+
+    backend(gm, example_inputs)
+      -> copy the graph (Dynamo's own is never mutated)
+      -> find accumulators        accumulators.GraphInfo
+      -> rewrite each into MCF    passes (pattern families) + rewrite.plan_chains / emit
+      -> attach lo state          rewrite.add_lo_inputs + a wrapper that passes lo tensors
+      -> hand to Inductor         _compat.compile_with_inductor (roundings are fp32
+                                  arithmetic, mcf.round_to, so Inductor cannot drop them)
+
+A graph with nothing to upgrade goes to Inductor untouched: fp32/fp64 training is
+bit-identical to ``backend="inductor"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from collage_compile import _compat, report, state
+from collage_compile.accumulators import Accumulator, GraphInfo
+from collage_compile.config import CollageConfig
+
+log = logging.getLogger("collage_compile")
+
+__all__ = ["backend", "make_backend", "compile_graph"]
+
+
+def make_backend(**options: Any) -> Callable[..., Any]:
+    """A backend for ``torch.compile(fn, backend=...)`` with the given options
+    (see :class:`collage_compile.config.CollageConfig`)."""
+    config = CollageConfig.from_options(options)
+
+    def collage_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return compile_graph(gm, example_inputs, config)
+
+    collage_backend.config = config  # type: ignore[attr-defined]
+    collage_backend.__name__ = "collage"
+    return collage_backend
+
+
+def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The backend with default options: ``torch.compile(fn, backend=collage_compile.backend)``."""
+    return compile_graph(gm, example_inputs, _config_for(None))
+
+
+def _registered_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """``backend="collage"``: ``torch.compile`` forwards ``options={...}`` here."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"collage: torch.compile(mode={mode!r}) is not supported; pass options={{...}}"
+        )
+    return compile_graph(gm, example_inputs, _config_for(options))
+
+
+@functools.lru_cache(maxsize=None)
+def _config_cached(items: tuple[tuple[str, Any], ...]) -> CollageConfig:
+    return CollageConfig.from_options(dict(items))
+
+
+def _config_for(options: dict[str, Any] | None) -> CollageConfig:
+    return _config_cached(tuple(sorted((options or {}).items())))
+
+
+def _eligibility(acc: Accumulator, config: CollageConfig) -> tuple[bool, str]:
+    if config.mode == "light":
+        if acc.role == "param":
+            return True, ""
+        return False, "mode='light' upgrades parameters only"
+    return False, f"mode {config.mode!r}"
+
+
+def compile_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig
+) -> Callable[..., Any]:
+    """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor."""
+    from collage_compile import passes, rewrite
+
+    original = gm
+    gm = _compat.copy_graph_module(gm)
+    info = GraphInfo(gm, list(example_inputs), config)
+    for acc in info.accumulators:
+        acc.eligible, acc.reason = _eligibility(acc, config)
+
+    ctx = rewrite.MatchContext(info)
+    counts = passes.run(info, ctx)
+    unsupported = [
+        w for w in info.writes if w.acc.eligible and w not in ctx.sites
+    ]
+    rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
+    rep.warn_unsupported()
+    report.record(rep)
+
+    chains = rewrite.plan_chains(info, ctx.sites, unsupported)
+    if not chains:
+        log.debug("collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators))
+        return _compat.compile_with_inductor(original, example_inputs)
+
+    upgraded = []
+    for acc in info.accumulators:
+        if any(c.acc is acc for c in chains):
+            upgraded.append(acc)
+    fake_mode = _compat.fake_mode_of(example_inputs, gm)
+    rewrite.add_lo_inputs(gm, upgraded, fake_mode)
+    rewrite.emit(gm, info, chains, unsupported, config.arithmetic)
+    gm.graph.lint()
+    gm.recompile()
+    log.debug(
+        "collage: rewrote %d sites in %d chains on %d tensors (%s)",
+        sum(len(c.sites) for c in chains),
+        len(chains),
+        len(upgraded),
+        ", ".join(f"{k}={v}" for k, v in counts.items()),
+    )
+    lo_examples = [_compat.example_value(acc.lo_node) for acc in upgraded]
+    compiled = _compat.compile_with_inductor(gm, [*example_inputs, *lo_examples])
+    return _LoInputs(compiled, upgraded)
+
+
+class _LoInputs:
+    """Calls the compiled graph with the lo component of every upgraded tensor appended.
+
+    get_attr tensors are fixed for the graph (Dynamo guards their identity), so their lo is
+    looked up once; tensors that arrive as inputs are looked up per call.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], accs: list[Accumulator]):
+        self.compiled = compiled
+        self._fixed: list[Any] = []
+        self._by_input: list[tuple[int, int]] = []  # (slot, input index)
+        refs: list[Any] = []
+        for slot, acc in enumerate(accs):
+            if acc.real is not None:
+                refs.append(acc.real)
+            else:
+                refs.append(None)
+                self._by_input.append((slot, acc.input_index))
+        self._refs = refs
+        self._los: list[torch.Tensor | None] | None = None
+
+    def _resolve_fixed(self) -> list[torch.Tensor | None]:
+        los = [state.lo_for(t) if t is not None else None for t in self._refs]
+        # keep no strong reference to the parameters themselves
+        self._refs = [None] * len(self._refs)
+        return los
+
+    def __call__(self, *args: Any) -> Any:
+        if self._los is None:
+            self._los = self._resolve_fixed()
+        los = list(self._los)
+        for slot, idx in self._by_input:
+            los[slot] = state.lo_for(args[idx])
+        # Dynamo calls a backend's result with positional arguments (never boxed)
+        return self.compiled(*args, *los)

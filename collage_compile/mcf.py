@@ -1,0 +1,280 @@
+"""Multi-component float (MCF) arithmetic, written once as plain torch functions.
+
+Every function here takes eager tensors *or* ``torch.fx`` proxies: the same code is the
+reference that tests compare against float64, and the body that the graph rewrite traces
+into the optimizer graph.  A value is carried as a pair (hi, lo) of the storage dtype
+(bf16/fp16): hi is the tensor the model uses, lo a same-dtype correction.
+
+Two arithmetics (``CollageConfig.arithmetic``):
+
+* ``"fp32"`` (default): the pair is loaded into an fp32 *double-word* (s, e), updates are
+  added with error-free transformations (TwoSum, Dekker TwoProd), so fp32's own 24 bits never
+  eat a tiny update, and the result is rounded once into the pair, hi to nearest.
+* ``"storage"``: the paper's sequence (Collage, arXiv 2405.03637, Algorithm "Grow"), every
+  operation rounded to the storage dtype, bit-identical to running it op by op in eager bf16.
+
+Rounding that survives the compiler
+-----------------------------------
+Inductor computes fused bf16 chains in fp32 registers and drops ``to(bf16)``/``to(float32)``
+round trips inside a kernel (FIELD_NOTES section 1), so ``x.to(bf16).float()`` is *not* a
+rounding once compiled.  :func:`round_to` rounds with fp32 arithmetic alone (a Veltkamp
+split), which no compiler pass may remove without licence to reassociate floating point
+(Inductor's C++ flags keep ``-fno-unsafe-math-optimizations`` and ``-ffp-contract=off``;
+Triton does not reassociate).  Every product inside it and inside :func:`two_prod` is exact,
+so FMA contraction (Triton's default) cannot change a result either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LOW_PRECISION",
+    "round_to",
+    "two_sum",
+    "fast2sum",
+    "split",
+    "two_prod",
+    "split_constant",
+    "grow",
+    "renormalize",
+    "mul",
+    "dw_from_pair",
+    "dw_add",
+    "dw_mul",
+    "dw_to_pair",
+    "storage_add",
+    "storage_mul",
+    "value",
+]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# Significant bits p (implicit bit included) and the smallest normal exponent of each
+# storage format.
+_FORMATS: dict[torch.dtype, tuple[int, int]] = {
+    torch.bfloat16: (8, -126),
+    torch.float16: (11, -14),
+}
+_FP16_OVERFLOW = 65520.0
+_INF = float("inf")
+
+
+def _format(dtype: torch.dtype) -> tuple[int, int]:
+    try:
+        return _FORMATS[dtype]
+    except KeyError:
+        raise TypeError(f"MCF storage dtype must be bfloat16 or float16, got {dtype}") from None
+
+
+def round_to(x: Any, dtype: torch.dtype) -> Any:
+    """Round fp32 ``x`` to the nearest ``dtype`` value (ties to even); the result stays fp32.
+
+    Equal, bit for bit, to ``x.to(dtype).float()`` in eager mode (subnormals, overflow to
+    inf and NaN included), but made of fp32 arithmetic that Inductor keeps.
+    """
+    p, emin = _format(dtype)
+    ax = x.abs()
+    if dtype == torch.bfloat16:
+        # Veltkamp needs y * 2^16 to stay finite: scale huge values down by a power of two
+        # (exact) and back up afterwards (overflowing to inf exactly where RN would).
+        big = ax >= 2.0**100
+        y = torch.where(big, x * 2.0**-64, x)
+    else:
+        y = x
+    # Veltkamp split with sigma = 2^(24-p) + 1: c - (c - y) is y rounded to p bits, to
+    # nearest, ties to even.  y * 2^(24-p) is exact, so c is a single rounding either way.
+    c = y * 2.0 ** (24 - p) + y
+    r = c - (c - y)
+    if dtype == torch.bfloat16:
+        r = torch.where(big, r * 2.0**64, r)
+    else:
+        # from 65520 (halfway past the largest finite fp16, 65504) a cast gives +-inf
+        r = torch.where(ax >= _FP16_OVERFLOW, x * _INF, r)
+    # Below the smallest normal the format has a fixed quantum 2^(emin-p+1): adding and
+    # subtracting 1.5 * 2^(emin-p+1+23) rounds to it (the sum's ulp is that quantum).
+    # Done on |x| and signed afterwards so that tiny negatives round to -0.0, as a cast does.
+    magic = 1.5 * 2.0 ** (emin - p + 1 + 23)
+    r = torch.where(ax < 2.0**emin, torch.copysign((ax + magic) - magic, x), r)
+    # inf and nan pass through (the split would turn inf into nan)
+    return torch.where(torch.isfinite(x), r, x)
+
+
+def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
+    """Knuth's TwoSum: ``s + e == a + b`` exactly, ``s = fl(a + b)``; any magnitudes."""
+    s = a + b
+    bb = s - a
+    ab = s - bb
+    return s, (a - ab) + (b - bb)
+
+
+def fast2sum(a: Any, b: Any) -> tuple[Any, Any]:
+    """Dekker's Fast2Sum: exact when ``|a| >= |b|`` (or a's exponent is not smaller)."""
+    s = a + b
+    return s, b - (s - a)
+
+
+def split(a: Any) -> tuple[Any, Any]:
+    """Veltkamp split of fp32 ``a`` into two halves of at most 12 significant bits."""
+    c = a * 4096.0 + a
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def two_prod(a: Any, b: Any) -> tuple[Any, Any]:
+    """Dekker's TwoProd: ``p + e == a * b`` exactly (fp32, no fma needed).
+
+    Each partial product of 12-bit halves is exact, so fma contraction cannot change ``e``.
+    Where the split would overflow (``|a|`` or ``|b|`` above ~1e34) ``e`` is 0.
+    """
+    p = a * b
+    ah, al = split(a)
+    bh, bl = split(b)
+    e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    return p, torch.where(torch.isfinite(e), e, 0.0)
+
+
+def split_constant(c: float, dtype: torch.dtype) -> tuple[float, float]:
+    """Split Python float ``c`` into ``(c_hi, c_lo)`` of ``dtype`` with ``c ~= c_hi + c_lo``.
+
+    Computed in float64 on the host, whatever the default dtype: ``bf16(0.999) == 1.0``,
+    so a decay constant needs its second component to decay anything at all.
+    """
+    c = float(c)
+    hi = torch.tensor(c, dtype=torch.float64).to(dtype).item()
+    lo = torch.tensor(c - hi, dtype=torch.float64).to(dtype).item()
+    return hi, lo
+
+
+# --------------------------------------------------------------------------------------
+# "fp32" arithmetic: an fp32 double-word (s, e) carries the pair through a chain of steps.
+
+
+def dw_from_pair(hi: Any, lo: Any) -> tuple[Any, Any]:
+    """Load a storage pair into an fp32 double-word (exact)."""
+    return hi.float(), lo.float()
+
+
+def dw_add(s: Any, e: Any, u: Any) -> tuple[Any, Any]:
+    """(s, e) + u with u's every bit kept: TwoSum on the leading word, error into e."""
+    s2, t = two_sum(s, u)
+    return s2, e + t
+
+
+def dw_mul(s: Any, e: Any, c_hi: Any, c_lo: Any = 0.0) -> tuple[Any, Any]:
+    """(s, e) * (c_hi + c_lo): exact leading product, first-order terms into e."""
+    p, t = two_prod(s, c_hi)
+    return p, t + (s * c_lo + e * c_hi)
+
+
+def dw_to_pair(s: Any, e: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Round a double-word into a storage pair: hi to nearest, lo the rounded remainder.
+
+    Inf/NaN behave as plain arithmetic would: hi takes the naive fp32 result and lo is 0.
+    """
+    t = torch.where(torch.isfinite(s), s + e, s)
+    hi = round_to(t, dtype)
+    # s - hi is exact (hi is within half a storage ulp of s + e, far below s's own ulp
+    # range), so the remainder loses only the final rounding to dtype.
+    lo = torch.where(torch.isfinite(hi), round_to((s - hi) + e, dtype), 0.0)
+    return hi.to(dtype), lo.to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# "storage" arithmetic: the paper's operations, each rounded to the storage dtype.  The
+# pair is carried as fp32 tensors that hold storage-dtype values.
+
+
+def storage_add(a: Any, r: Any, u: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Paper's Grow, op by op in ``dtype``: s=a+u; r+=u-(s-a); a'=s+r; r'=r-(a'-s)."""
+    u = round_to(u, dtype)
+    s = round_to(a + u, dtype)
+    r = round_to(r + round_to(u - round_to(s - a, dtype), dtype), dtype)
+    a2 = round_to(s + r, dtype)
+    r2 = round_to(r - round_to(a2 - s, dtype), dtype)
+    # Where s overflowed or u was inf/nan the paper's sequence yields nan (inf - inf);
+    # plain arithmetic yields s, so give s and an empty correction.
+    finite = torch.isfinite(s)
+    return torch.where(finite, a2, s), torch.where(finite, r2, 0.0)
+
+
+def storage_mul(a: Any, r: Any, c_hi: Any, c_lo: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Expansion product (a, r) * (c_hi, c_lo), op by op in ``dtype`` (paper's MultMC).
+
+    Alias-free: the reference implementation multiplies ``a`` in place and then reuses it
+    as if unmodified, which settles a decayed EMA at 0.33x-0.53x of its true value.
+    """
+    p = round_to(a * c_hi, dtype)
+    # a * c_hi is exact in fp32 (two 8/11-bit significands), so this is TwoProd's error
+    err = round_to(a * c_hi - p, dtype)
+    r = round_to(r * c_hi, dtype)
+    r = round_to(r + a * c_lo, dtype)
+    r = round_to(r + err, dtype)
+    a2 = round_to(p + r, dtype)
+    r2 = round_to(r - round_to(a2 - p, dtype), dtype)
+    finite = torch.isfinite(p)
+    return torch.where(finite, a2, p), torch.where(finite, r2, 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Pair-level entry points.
+
+
+def grow(hi: Any, lo: Any, update: Any, arithmetic: str = "fp32") -> tuple[Any, Any]:
+    """Add ``update`` (any float dtype, ideally unrounded fp32) to the pair ``(hi, lo)``.
+
+    Returns the new pair in ``hi.dtype``.
+    """
+    dtype = hi.dtype
+    if arithmetic == "fp32":
+        s, e = dw_add(*dw_from_pair(hi, lo), update.float())
+        return dw_to_pair(s, e, dtype)
+    if arithmetic == "storage":
+        a, r = storage_add(hi.float(), lo.float(), update.float(), dtype)
+        return a.to(dtype), r.to(dtype)
+    raise ValueError(f"unknown arithmetic {arithmetic!r}")
+
+
+def mul(hi: Any, lo: Any, c: float, arithmetic: str = "fp32") -> tuple[Any, Any]:
+    """Multiply the pair ``(hi, lo)`` by the Python constant ``c`` (a decay)."""
+    dtype = hi.dtype
+    if arithmetic == "fp32":
+        c_hi, c_lo = split_constant(c, torch.float32)
+        s, e = dw_mul(*dw_from_pair(hi, lo), c_hi, c_lo)
+        return dw_to_pair(s, e, dtype)
+    if arithmetic == "storage":
+        c_hi, c_lo = split_constant(c, dtype)
+        a, r = storage_mul(hi.float(), lo.float(), c_hi, c_lo, dtype)
+        return a.to(dtype), r.to(dtype)
+    raise ValueError(f"unknown arithmetic {arithmetic!r}")
+
+
+def renormalize(hi: Any, lo: Any, arithmetic: str = "fp32") -> tuple[Any, Any]:
+    """Bring a pair back to |lo| <= ulp(hi)/2, hi the nearest value to hi + lo."""
+    dtype = hi.dtype
+    if arithmetic == "fp32":
+        return dw_to_pair(*dw_from_pair(hi, lo), dtype)
+    if arithmetic == "storage":
+        a, r = hi.float(), lo.float()
+        s = round_to(a + r, dtype)
+        r2 = round_to(r - round_to(s - a, dtype), dtype)
+        finite = torch.isfinite(s)
+        return torch.where(finite, s, a + r).to(dtype), torch.where(finite, r2, 0.0).to(dtype)
+    raise ValueError(f"unknown arithmetic {arithmetic!r}")
+
+
+def value(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 value the pair stands for, ``hi + lo`` (``hi`` alone where there is no lo)."""
+    if lo is None:
+        return hi.float()
+    return hi.float() + lo.float()
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """Unit in the last place of each element of ``x`` in its own dtype (as float64)."""
+    info = torch.finfo(x.dtype)
+    ax = x.double().abs().clamp_min(info.smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(ax))) * info.eps
+

@@ -1,0 +1,116 @@
+"""What the backend found in each graph, and one-time warnings for what it could not upgrade."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import warnings
+from typing import Any
+
+from collage_compile import _compat
+
+log = logging.getLogger("collage_compile")
+
+_warned: set[tuple[str, ...]] = set()
+_warn_lock = threading.Lock()
+_reports: collections.deque[GraphReport] = collections.deque(maxlen=64)
+
+
+class CollageWarning(UserWarning):
+    """A low-precision accumulation the backend found but could not upgrade."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    tensor: str  # readable name
+    shape: tuple[int, ...]
+    dtype: str
+    role: str  # "param" / "tensor"
+    pattern: str  # e.g. "add_", "copy_(fma)", "_fused_adamw_"
+    applied: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class GraphReport:
+    entries: list[Entry]
+    mode: str
+    arithmetic: str
+
+    @classmethod
+    def build(cls, info: Any, sites: dict[Any, Any], unsupported: list[Any], config: Any) -> GraphReport:
+        fused = _compat.fused_optimizer_ops()
+        entries = []
+        for w in info.writes:
+            acc = w.acc
+            shape = tuple(int(s) if _is_int(s) else -1 for s in acc.example.shape)
+            dtype = str(acc.dtype).replace("torch.", "")
+            site = sites.get(w)
+            if site is not None:
+                entries.append(Entry(acc.name, shape, dtype, acc.role, site.pattern, True))
+            elif not acc.eligible:
+                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason))
+            else:
+                entries.append(
+                    Entry(acc.name, shape, dtype, acc.role, w.op, False, _why(w, fused))
+                )
+        return cls(entries, config.mode, config.arithmetic)
+
+    def warn_unsupported(self) -> None:
+        for e in self.entries:
+            if e.applied or e.reason.startswith("mode="):
+                continue
+            key = (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason)
+            with _warn_lock:
+                if key in _warned:
+                    continue
+                _warned.add(key)
+            warnings.warn(
+                f"collage: not upgraded: {e.pattern} on {e.tensor} "
+                f"(shape {list(e.shape)}, {e.dtype}): {e.reason}",
+                CollageWarning,
+                stacklevel=2,
+            )
+
+    def format(self) -> str:
+        rows = [("tensor", "shape", "dtype", "pattern", "upgraded", "reason")]
+        for e in self.entries:
+            rows.append((e.tensor, str(list(e.shape)), e.dtype, e.pattern, "yes" if e.applied else "no", e.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _is_int(x: Any) -> bool:
+    try:
+        int(x)
+        return True
+    except Exception:  # noqa: BLE001 - symbolic sizes
+        return False
+
+
+def _why(write: Any, fused: dict[Any, str]) -> str:
+    target = write.node.target
+    if target in fused:
+        return (
+            f"torch.optim {fused[target]} runs one opaque kernel that cannot be rewritten; "
+            "construct the optimizer with foreach=True (or foreach=False) instead"
+        )
+    if not write.full_alias:
+        return "the write goes through a view of the tensor; lo restarts from zero after it"
+    return f"{write.op} is not an accumulation the backend can carry exactly; lo restarts from zero after it"
+
+
+def record(rep: GraphReport) -> None:
+    _reports.append(rep)
+
+
+def reports() -> list[GraphReport]:
+    """Reports of the most recently compiled graphs (oldest first)."""
+    return list(_reports)
+
+
+def reset_warnings() -> None:
+    with _warn_lock:
+        _warned.clear()

@@ -1,0 +1,369 @@
+"""Emit MCF code for the claimed writes: lo inputs, chains of steps, and the old nodes' removal.
+
+Consecutive writes to one tensor with nothing reading it in between form a *chain* (AdamW:
+``p.mul_(1-lr*wd)`` then ``p.addcdiv_(m, d)``).  A chain is emitted once, just before its last
+write: the pair is loaded, every step applied in MCF arithmetic, the result rounded into
+(hi, lo) once and written back with ``copy_``.  AOTAutograd then functionalizes the copies and
+Inductor fuses the chain into the kernel that already computes the update.
+
+A chain is closed early when something reads the tensor (the reader must see the rounded
+hi), or when an operand of one of its steps is written before the chain would be emitted
+(emission reads operands late).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from collage_compile import _compat, mcf
+from collage_compile.accumulators import (
+    _PER_ELEMENT_SCALAR_TENSOR,
+    Accumulator,
+    Element,
+    GraphInfo,
+    Site,
+    Step,
+    Write,
+)
+
+# ---- the chain arithmetic, a plain torch function (eager or traced) ---------------------
+
+
+def mcf_chain(
+    hi: Any,
+    lo: Any,
+    steps: list[tuple[str, tuple[Any, ...], Any]],
+    arithmetic: str,
+    dtype: torch.dtype | None = None,
+) -> tuple[Any, Any]:
+    """Apply ``steps`` (``(kind, args, fn)`` with resolved operands) to the pair (hi, lo).
+
+    Returns the new (hi, lo) in the storage dtype (``hi.dtype`` unless given; a proxy has
+    none).  Used eagerly by tests and traced with fx proxies by the rewrite.
+    """
+    dtype = dtype or hi.dtype
+    if arithmetic == "fp32":
+        s, e = mcf.dw_from_pair(hi, lo)
+        for kind, args, fn in steps:
+            if kind == "add":
+                s, e = mcf.dw_add(s, e, fn(*args))
+            elif kind == "mul":
+                c_hi, c_lo = _factor_fp32(args, fn)
+                s, e = mcf.dw_mul(s, e, c_hi, c_lo)
+            elif kind == "lerp":
+                end, weight = args
+                s, e = mcf.dw_add(s, e, ((_f32(end) - s) - e) * _f32(weight))
+            elif kind == "set":
+                s, e = _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
+            else:
+                raise ValueError(f"unknown step kind {kind!r}")
+        return mcf.dw_to_pair(s, e, dtype)
+    if arithmetic == "storage":
+        a, r = hi.float(), lo.float()
+        for kind, args, fn in steps:
+            if kind == "add":
+                a, r = mcf.storage_add(a, r, fn(*args), dtype)
+            elif kind == "mul":
+                c_hi, c_lo = _factor_storage(args, fn, dtype)
+                a, r = mcf.storage_mul(a, r, c_hi, c_lo, dtype)
+            elif kind == "lerp":
+                end, weight = args
+                a, r = mcf.storage_add(a, r, ((_f32(end) - a) - r) * _f32(weight), dtype)
+            elif kind == "set":
+                a = mcf.round_to(_set_value(hi, args[0]), dtype)
+                r = torch.zeros_like(hi, dtype=torch.float32)
+            else:
+                raise ValueError(f"unknown step kind {kind!r}")
+        return a.to(dtype), r.to(dtype)
+    raise ValueError(f"unknown arithmetic {arithmetic!r}")
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, fx.Proxy))
+
+
+def _f32(x: Any) -> Any:
+    return x.float() if _is_tensor(x) else float(x)
+
+
+def _set_value(hi: Any, src: Any) -> Any:
+    if _is_tensor(src):
+        return src.float().expand_as(hi)
+    return torch.full_like(hi, float(src), dtype=torch.float32)
+
+
+def _factor_fp32(args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
+    c = fn(*args) if fn is not None else args[0]
+    if _is_tensor(c):
+        return c.float(), 0.0
+    return mcf.split_constant(float(c), torch.float32)
+
+
+def _factor_storage(args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    c = fn(*args) if fn is not None else args[0]
+    if _is_tensor(c):
+        c = c.float()
+        c_hi = mcf.round_to(c, dtype)
+        return c_hi, mcf.round_to(c - c_hi, dtype)
+    return mcf.split_constant(float(c), dtype)
+
+
+# ---- claiming -----------------------------------------------------------------------------
+
+
+class MatchContext:
+    """Hands the pattern families the writes still unclaimed and records what they claim."""
+
+    def __init__(self, info: GraphInfo):
+        self.info = info
+        self.sites: dict[Write, Site] = {}
+
+    def unclaimed(self) -> Iterator[Write]:
+        for w in self.info.writes:
+            if w.acc.eligible and w not in self.sites and w.full_alias:
+                yield w
+
+    def claim(self, write: Write, steps: list[Step], pattern: str) -> None:
+        if write in self.sites:
+            raise AssertionError(f"write {write.node} claimed twice")
+        self.sites[write] = Site(write, steps, pattern)
+
+
+# ---- emission -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Chain:
+    acc: Accumulator
+    sites: list[Site]
+    operand_storages: set[Any]
+
+
+class _Emitter:
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.tracer = fx.proxy.GraphAppendingTracer(graph)
+
+    def proxy(self, x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            return fx.Proxy(x, self.tracer)
+        if isinstance(x, Element):
+            return fx.Proxy(x.node, self.tracer)[x.index]
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.proxy(v) for v in x)
+        return x
+
+
+def _flat_nodes(x: Any) -> Iterator[fx.Node]:
+    if isinstance(x, fx.Node):
+        yield x
+    elif isinstance(x, Element):
+        yield x.node
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat_nodes(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _flat_nodes(v)
+
+
+def _storages(info: GraphInfo, nodes: Iterator[fx.Node]) -> set[Any]:
+    out = set()
+    for n in nodes:
+        ex = _compat.example_value(n)
+        vals = ex if isinstance(ex, (list, tuple)) else [ex]
+        for v in vals:
+            if isinstance(v, torch.Tensor) and not v.is_sparse:
+                try:
+                    out.add(_compat.storage_key(v))
+                except (RuntimeError, NotImplementedError):
+                    pass
+    return out
+
+
+def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Write]) -> list[Chain]:
+    """Group sites into chains (see module docstring)."""
+    sites_at: dict[fx.Node, list[Site]] = {}
+    for site in sites.values():
+        sites_at.setdefault(site.write.node, []).append(site)
+    unsupported_at: dict[fx.Node, list[Write]] = {}
+    for w in unsupported:
+        unsupported_at.setdefault(w.node, []).append(w)
+    written_by: dict[fx.Node, set[Any]] = {}
+    for w in info.writes:
+        written_by.setdefault(w.node, set())
+
+    open_chains: dict[Accumulator, Chain] = {}
+    chains: list[Chain] = []
+
+    def close(acc: Accumulator) -> None:
+        chain = open_chains.pop(acc, None)
+        if chain is not None:
+            chains.append(chain)
+
+    for node in info.gm.graph.nodes:
+        here = sites_at.get(node, [])
+        # 1. what this node reads: a chain is closed before a reader of its tensor
+        if here or node in unsupported_at or node in written_by:
+            read_nodes = list(_flat_nodes(list(node.args[1:]))) + list(_flat_nodes(dict(node.kwargs)))
+        else:
+            read_nodes = list(node.all_input_nodes)
+        for n in read_nodes:
+            acc, _ = info.accumulator_of_node(n)
+            if acc is not None:
+                close(acc)
+        # 2. what this node writes: a chain whose operands it overwrites is closed first,
+        #    and an unsupported write ends the chain of its tensor
+        if node in written_by:
+            written_storages = _storages(info, _written_nodes(node))
+            for acc, chain in list(open_chains.items()):
+                if chain.operand_storages & written_storages:
+                    close(acc)
+        for w in unsupported_at.get(node, []):
+            close(w.acc)
+        # 3. sites extend (or open) their tensor's chain
+        for site in here:
+            acc = site.write.acc
+            chain = open_chains.get(acc)
+            if chain is None:
+                chain = open_chains[acc] = Chain(acc, [], set())
+            chain.sites.append(site)
+            chain.operand_storages |= _storages(
+                info, _flat_nodes([s.args for s in site.steps])
+            )
+    for acc in list(open_chains):
+        close(acc)
+    return chains
+
+
+def _written_nodes(node: fx.Node) -> Iterator[fx.Node]:
+    from collage_compile.accumulators import _written_operands
+
+    for operand, _ in _written_operands(node):
+        yield from _flat_nodes(operand)
+
+
+def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -> None:
+    """A placeholder per accumulator for its lo component, after the existing inputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    for acc in accs:
+        if anchor is None:
+            with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+                node = gm.graph.placeholder(f"collage_lo_{len(placeholders)}")
+        else:
+            with gm.graph.inserting_after(anchor):
+                node = gm.graph.placeholder(f"collage_lo_{acc.node.name}")
+        _compat.mark_new_input(node)
+        if acc.real is not None:
+            # a get_attr tensor's example value comes from Dynamo's attribute fake mode;
+            # AOTAutograd fakeifies the real tensor in the tracing context's mode instead
+            real = acc.real
+            with fake_mode:
+                fake = torch.empty_strided(
+                    tuple(real.shape), real.stride(), dtype=real.dtype, device=real.device
+                )
+        else:
+            with fake_mode:
+                fake = torch.empty_like(acc.example, memory_format=torch.preserve_format)
+        _compat.set_example_value(node, fake)
+        node.meta["val"] = fake
+        acc.lo_node = node
+        anchor = node
+        placeholders.append(node)
+
+
+def emit(gm: fx.GraphModule, info: GraphInfo, chains: list[Chain], unsupported: list[Write], arithmetic: str) -> None:
+    """Write each chain's MCF code into the graph and remove the writes it replaces."""
+    graph = gm.graph
+    em = _Emitter(graph)
+    for chain in chains:
+        last = chain.sites[-1].write.node
+        acc = chain.acc
+        with graph.inserting_before(last):
+            hi = em.proxy(acc.node)
+            lo = em.proxy(acc.lo_node)
+            steps = [
+                (step.kind, em.proxy(step.args), step.update)
+                for site in chain.sites
+                for step in site.steps
+            ]
+            new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype)
+            hi.copy_(new_hi)
+            lo.copy_(new_lo)
+    # an unsupported write leaves the pair consistent: lo restarts from zero after it
+    for w in unsupported:
+        if w.acc.lo_node is None:
+            continue
+        with graph.inserting_after(w.node):
+            em.proxy(w.acc.lo_node).zero_()
+    _remove_claimed(gm, info, [s for c in chains for s in c.sites])
+
+
+def _remove_claimed(gm: fx.GraphModule, info: GraphInfo, sites: list[Site]) -> None:
+    graph = gm.graph
+    by_node: dict[fx.Node, list[Site]] = {}
+    for site in sites:
+        by_node.setdefault(site.write.node, []).append(site)
+    orphans: set[fx.Node] = set()
+    for node, node_sites in by_node.items():
+        orphans.update(node.all_input_nodes)
+        if node_sites[0].write.index is None:
+            # a single-tensor write returns (an alias of) the tensor: later uses read it
+            node.replace_all_uses_with(node_sites[0].write.acc.node)
+            graph.erase_node(node)
+            continue
+        claimed = {s.write.index for s in node_sites}
+        n_elems = len(node.args[0])
+        rest = [i for i in range(n_elems) if i not in claimed]
+        if rest:
+            with graph.inserting_before(node):
+                per_elem = node_sites[0].write.op in _PER_ELEMENT_SCALAR_TENSOR
+                new = graph.call_function(
+                    node.target,
+                    tuple(_subset(a, rest, graph, per_elem) for a in node.args),
+                    {k: _subset(v, rest, graph, per_elem) for k, v in node.kwargs.items()},
+                )
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    _prune(graph, orphans)
+
+
+def _subset(arg: Any, keep: list[int], graph: fx.Graph, per_element_tensor: bool) -> Any:
+    """A foreach argument restricted to the elements ``keep``."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(arg[i] for i in keep)
+    if isinstance(arg, fx.Node):
+        ex = _compat.example_value(arg)
+        if isinstance(ex, (list, tuple)):
+            return [graph.call_function(operator.getitem, (arg, i)) for i in keep]
+        if per_element_tensor and isinstance(ex, torch.Tensor) and ex.dim() == 1:
+            items = [graph.call_function(operator.getitem, (arg, i)) for i in keep]
+            return graph.call_function(torch.stack, (items,))
+    return arg
+
+
+def _prune(graph: fx.Graph, candidates: set[fx.Node]) -> None:
+    """Remove the nodes that only fed a replaced write (e.g. a rewritten copy_'s source
+    expression), if they are pure and now unused."""
+    from collage_compile.accumulators import _written_operands
+
+    alive = set(graph.nodes)
+    work = [n for n in candidates if n in alive]
+    while work:
+        node = work.pop()
+        if node not in alive or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if _written_operands(node) or (node.op == "call_function" and node.is_impure()):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        alive.discard(node)
+        work.extend(inputs)

@@ -1,0 +1,42 @@
+"""Pattern families that turn writes to accumulators into MCF steps, in the order they run.
+
+1. ``additive``  -- ``add_``, ``sub_``, ``addcdiv_``, ``addcmul_`` (method, ``+=`` and foreach forms)
+2. ``lerp``      -- ``lerp_`` (EMA-style interpolation)
+3. ``decay``     -- ``mul_``, ``div_``, ``neg_`` by a constant or tensor (weight decay)
+4. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
+
+Each family is ``match(info, ctx) -> int``: it claims the writes it understands (turning each
+into :class:`collage_compile.accumulators.Step` s) and returns how many it claimed.  A write no
+family claims is reported as not upgradable.  Invariants a family may rely on: the graph is
+a private copy of Dynamo's, every write is split per tensor (foreach lists included), and the
+accumulator is bf16/fp16 and eligible under the configured mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from collage_compile.passes import additive, copy_expr, decay, lerp
+
+FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
+    ("additive", additive.match),
+    ("lerp", lerp.match),
+    ("decay", decay.match),
+    ("copy_expr", copy_expr.match),
+)
+
+
+def run(info: Any, ctx: Any) -> dict[str, int]:
+    """Run every family once, in order; returns sites claimed per family."""
+    return {name: fn(info, ctx) for name, fn in FAMILIES}
+
+
+def uuid() -> str:
+    """Hash of every family's source, so a changed pass changes cache keys."""
+    h = hashlib.sha256()
+    for _, fn in FAMILIES:
+        h.update(inspect.getsource(inspect.getmodule(fn)).encode())
+    return h.hexdigest()[:16]

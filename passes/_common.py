@@ -1,0 +1,46 @@
+"""Shared helpers of the pattern families: argument binding and fp32 operands."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def f32(x: Any) -> Any:
+    """An operand as fp32: tensors (and proxies) are upcast, Python numbers become floats.
+
+    Upcasting a bf16/fp16 operand is exact; what matters is that the arithmetic combining
+    the operands runs in fp32, so the update reaching the Grow is not rounded to bf16 first.
+    """
+    if isinstance(x, (torch.Tensor, fx.Proxy)):
+        return x.float()
+    return float(x)
+
+
+def bind(signature_of: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Bind a write's operands to ``signature_of``'s parameters, defaults applied.
+
+    Returns the positional tuple, or ``None`` when the operands do not fit (an overload the
+    family does not handle).
+    """
+    try:
+        bound = inspect.signature(signature_of).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def scale(x: Any, factor: Any) -> Any:
+    """``x * factor``, skipping a multiplication by the constant 1."""
+    if is_number(factor) and factor == 1:
+        return x
+    return x * f32(factor) if is_number(factor) else x * factor
