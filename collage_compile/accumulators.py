@@ -250,7 +250,7 @@ def _readable_name(node: fx.Node) -> str:
     if source is not None:
         try:
             return source.name
-        except Exception:  # noqa: BLE001 - a name is only a label
+        except Exception:
             pass
     return str(node.target)
 

@@ -28,7 +28,7 @@ from collage_compile.config import CollageConfig
 
 log = logging.getLogger("collage_compile")
 
-__all__ = ["backend", "make_backend", "compile_graph"]
+__all__ = ["backend", "compile_graph", "make_backend"]
 
 
 def make_backend(**options: Any) -> Callable[..., Any]:
@@ -63,7 +63,7 @@ def _registered_backend(
     return compile_graph(gm, example_inputs, _config_for(options))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _config_cached(items: tuple[tuple[str, Any], ...]) -> CollageConfig:
     return CollageConfig.from_options(dict(items))
 
@@ -88,28 +88,26 @@ def compile_graph(
 
     original = gm
     gm = _compat.copy_graph_module(gm)
+    normalized = passes.normalize(gm, config.arithmetic)
     info = GraphInfo(gm, list(example_inputs), config)
     for acc in info.accumulators:
         acc.eligible, acc.reason = _eligibility(acc, config)
 
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
-    unsupported = [
-        w for w in info.writes if w.acc.eligible and w not in ctx.sites
-    ]
+    unsupported = [w for w in info.writes if w.acc.eligible and w not in ctx.sites]
     rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
     rep.warn_unsupported()
     report.record(rep)
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
-    if not chains:
-        log.debug("collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators))
+    if not chains and not any(normalized.values()):
+        log.debug(
+            "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
+        )
         return _compat.compile_with_inductor(original, example_inputs)
 
-    upgraded = []
-    for acc in info.accumulators:
-        if any(c.acc is acc for c in chains):
-            upgraded.append(acc)
+    upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, upgraded, fake_mode)
     rewrite.emit(gm, info, chains, unsupported, config.arithmetic)
@@ -123,8 +121,29 @@ def compile_graph(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in upgraded]
-    compiled = _compat.compile_with_inductor(gm, [*example_inputs, *lo_examples])
+    compiled = _compat.compile_with_inductor(
+        gm, [*example_inputs, *lo_examples], _inductor_patches(config)
+    )
     return _LoInputs(compiled, upgraded)
+
+
+def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
+    """Inductor config for a rewritten graph.
+
+    The MCF roundings never depend on it (they are fp32 arithmetic).  Error-free
+    transformations reuse every intermediate several times; Inductor inlines a reused
+    pointwise value into each user until its op count passes a threshold (50 on CPU), so
+    a chain of them is re-traced exponentially often (minutes for one SGD step).  A lower
+    threshold makes Inductor materialize the shared values; the scheduler still fuses them
+    into one kernel (checked by the kernel-count test).  ``"storage"``
+    arithmetic promises eager bf16 semantics for the whole optimizer step, so there every
+    other low-precision op of the graph (momentum buffers, ``grad + wd * p``) must round
+    like eager too: that is ``emulate_precision_casts``, scoped to this graph.
+    """
+    patches = dict(_compat.bounded_inlining_patch())
+    if config.arithmetic == "storage":
+        patches["emulate_precision_casts"] = True
+    return patches
 
 
 class _LoInputs:

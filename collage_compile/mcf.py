@@ -26,27 +26,28 @@ so FMA contraction (Triton's default) cannot change a result either.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 __all__ = [
     "LOW_PRECISION",
-    "round_to",
-    "two_sum",
-    "fast2sum",
-    "split",
-    "two_prod",
-    "split_constant",
-    "grow",
-    "renormalize",
-    "mul",
-    "dw_from_pair",
     "dw_add",
+    "dw_from_pair",
     "dw_mul",
     "dw_to_pair",
+    "fast2sum",
+    "grow",
+    "mul",
+    "renormalize",
+    "round_to",
+    "split",
+    "split_constant",
     "storage_add",
     "storage_mul",
+    "two_prod",
+    "two_sum",
     "value",
 ]
 
@@ -98,8 +99,9 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
     # Done on |x| and signed afterwards so that tiny negatives round to -0.0, as a cast does.
     magic = 1.5 * 2.0 ** (emin - p + 1 + 23)
     r = torch.where(ax < 2.0**emin, torch.copysign((ax + magic) - magic, x), r)
-    # inf and nan pass through (the split would turn inf into nan)
-    return torch.where(torch.isfinite(x), r, x)
+    # inf and nan pass through (the split would turn inf into nan); |x| < inf is
+    # isfinite in one comparison (false for nan)
+    return torch.where(ax < _INF, r, x)
 
 
 def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
@@ -117,23 +119,32 @@ def fast2sum(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def split(a: Any) -> tuple[Any, Any]:
-    """Veltkamp split of fp32 ``a`` into two halves of at most 12 significant bits."""
+    """Veltkamp split of fp32 ``a`` into two halves of at most 12 significant bits.
+
+    A Python float is split on the host with fp32 arithmetic (Python's own floats are
+    float64, whose split would keep all 24 bits in the head).
+    """
+    if isinstance(a, (int, float)):
+        t = torch.tensor(float(a), dtype=torch.float32)
+        hi, lo = split(t)
+        return hi.item(), lo.item()
     c = a * 4096.0 + a
     hi = c - (c - a)
     return hi, a - hi
 
 
 def two_prod(a: Any, b: Any) -> tuple[Any, Any]:
-    """Dekker's TwoProd: ``p + e == a * b`` exactly (fp32, no fma needed).
+    """Dekker's TwoProd: ``p + e == a * b`` exactly for fp32 ``a`` and ``b`` (no fma needed).
 
     Each partial product of 12-bit halves is exact, so fma contraction cannot change ``e``.
-    Where the split would overflow (``|a|`` or ``|b|`` above ~1e34) ``e`` is 0.
+    Where the split would overflow (``|a|`` or ``|b|`` above ~1e34) ``e`` is 0.  A Python
+    float ``b`` must already be an fp32 value (see :func:`split_constant`).
     """
     p = a * b
     ah, al = split(a)
     bh, bl = split(b)
     e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
-    return p, torch.where(torch.isfinite(e), e, 0.0)
+    return p, torch.where(e.abs() < _INF, e, 0.0)
 
 
 def split_constant(c: float, dtype: torch.dtype) -> tuple[float, float]:
@@ -143,9 +154,17 @@ def split_constant(c: float, dtype: torch.dtype) -> tuple[float, float]:
     so a decay constant needs its second component to decay anything at all.
     """
     c = float(c)
+    if math.isfinite(c) and abs(c) >= _overflow_threshold(dtype):
+        raise OverflowError(f"collage: constant {c!r} is out of {dtype}'s range")
     hi = torch.tensor(c, dtype=torch.float64).to(dtype).item()
     lo = torch.tensor(c - hi, dtype=torch.float64).to(dtype).item()
     return hi, lo
+
+
+def _overflow_threshold(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to inf in ``dtype`` (max + half an ulp)."""
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
 
 
 # --------------------------------------------------------------------------------------
@@ -174,11 +193,11 @@ def dw_to_pair(s: Any, e: Any, dtype: torch.dtype) -> tuple[Any, Any]:
 
     Inf/NaN behave as plain arithmetic would: hi takes the naive fp32 result and lo is 0.
     """
-    t = torch.where(torch.isfinite(s), s + e, s)
+    t = torch.where(s.abs() < _INF, s + e, s)
     hi = round_to(t, dtype)
     # s - hi is exact (hi is within half a storage ulp of s + e, far below s's own ulp
     # range), so the remainder loses only the final rounding to dtype.
-    lo = torch.where(torch.isfinite(hi), round_to((s - hi) + e, dtype), 0.0)
+    lo = torch.where(hi.abs() < _INF, round_to((s - hi) + e, dtype), 0.0)
     return hi.to(dtype), lo.to(dtype)
 
 
@@ -196,7 +215,7 @@ def storage_add(a: Any, r: Any, u: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     r2 = round_to(r - round_to(a2 - s, dtype), dtype)
     # Where s overflowed or u was inf/nan the paper's sequence yields nan (inf - inf);
     # plain arithmetic yields s, so give s and an empty correction.
-    finite = torch.isfinite(s)
+    finite = s.abs() < _INF
     return torch.where(finite, a2, s), torch.where(finite, r2, 0.0)
 
 
@@ -214,7 +233,7 @@ def storage_mul(a: Any, r: Any, c_hi: Any, c_lo: Any, dtype: torch.dtype) -> tup
     r = round_to(r + err, dtype)
     a2 = round_to(p + r, dtype)
     r2 = round_to(r - round_to(a2 - p, dtype), dtype)
-    finite = torch.isfinite(p)
+    finite = p.abs() < _INF
     return torch.where(finite, a2, p), torch.where(finite, r2, 0.0)
 
 
@@ -252,16 +271,22 @@ def mul(hi: Any, lo: Any, c: float, arithmetic: str = "fp32") -> tuple[Any, Any]
 
 
 def renormalize(hi: Any, lo: Any, arithmetic: str = "fp32") -> tuple[Any, Any]:
-    """Bring a pair back to |lo| <= ulp(hi)/2, hi the nearest value to hi + lo."""
+    """Bring a pair back to |lo| <= ulp(hi)/2, hi the nearest value to hi + lo.
+
+    Works for any pair (lo need not be smaller than hi): TwoSum, not Fast2Sum.
+    """
     dtype = hi.dtype
     if arithmetic == "fp32":
         return dw_to_pair(*dw_from_pair(hi, lo), dtype)
     if arithmetic == "storage":
-        a, r = hi.float(), lo.float()
-        s = round_to(a + r, dtype)
-        r2 = round_to(r - round_to(s - a, dtype), dtype)
-        finite = torch.isfinite(s)
-        return torch.where(finite, s, a + r).to(dtype), torch.where(finite, r2, 0.0).to(dtype)
+        a, b = hi.float(), lo.float()
+        # TwoSum with every operation rounded to dtype: still error-free in dtype
+        s = round_to(a + b, dtype)
+        bb = round_to(s - a, dtype)
+        ab = round_to(s - bb, dtype)
+        e = round_to(round_to(a - ab, dtype) + round_to(b - bb, dtype), dtype)
+        finite = s.abs() < _INF
+        return torch.where(finite, s, a + b).to(dtype), torch.where(finite, e, 0.0).to(dtype)
     raise ValueError(f"unknown arithmetic {arithmetic!r}")
 
 
@@ -277,4 +302,3 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     info = torch.finfo(x.dtype)
     ax = x.double().abs().clamp_min(info.smallest_normal)
     return torch.exp2(torch.floor(torch.log2(ax))) * info.eps
-

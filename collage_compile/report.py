@@ -40,7 +40,9 @@ class GraphReport:
     arithmetic: str
 
     @classmethod
-    def build(cls, info: Any, sites: dict[Any, Any], unsupported: list[Any], config: Any) -> GraphReport:
+    def build(
+        cls, info: Any, sites: dict[Any, Any], unsupported: list[Any], config: Any
+    ) -> GraphReport:
         fused = _compat.fused_optimizer_ops()
         entries = []
         for w in info.writes:
@@ -53,9 +55,7 @@ class GraphReport:
             elif not acc.eligible:
                 entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason))
             else:
-                entries.append(
-                    Entry(acc.name, shape, dtype, acc.role, w.op, False, _why(w, fused))
-                )
+                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, _why(w, fused)))
         return cls(entries, config.mode, config.arithmetic)
 
     def warn_unsupported(self) -> None:
@@ -77,7 +77,16 @@ class GraphReport:
     def format(self) -> str:
         rows = [("tensor", "shape", "dtype", "pattern", "upgraded", "reason")]
         for e in self.entries:
-            rows.append((e.tensor, str(list(e.shape)), e.dtype, e.pattern, "yes" if e.applied else "no", e.reason))
+            rows.append(
+                (
+                    e.tensor,
+                    str(list(e.shape)),
+                    e.dtype,
+                    e.pattern,
+                    "yes" if e.applied else "no",
+                    e.reason,
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -86,7 +95,7 @@ def _is_int(x: Any) -> bool:
     try:
         int(x)
         return True
-    except Exception:  # noqa: BLE001 - symbolic sizes
+    except Exception:
         return False
 
 

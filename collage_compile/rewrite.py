@@ -111,7 +111,11 @@ def _factor_storage(args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple
         c = c.float()
         c_hi = mcf.round_to(c, dtype)
         return c_hi, mcf.round_to(c - c_hi, dtype)
-    return mcf.split_constant(float(c), dtype)
+    try:
+        return mcf.split_constant(float(c), dtype)
+    except OverflowError:
+        # beyond the storage range: multiply by the fp32 constant, as eager bf16 does
+        return mcf.split_constant(float(c), torch.float32)[0], 0.0
 
 
 # ---- claiming -----------------------------------------------------------------------------
@@ -211,7 +215,9 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
         here = sites_at.get(node, [])
         # 1. what this node reads: a chain is closed before a reader of its tensor
         if here or node in unsupported_at or node in written_by:
-            read_nodes = list(_flat_nodes(list(node.args[1:]))) + list(_flat_nodes(dict(node.kwargs)))
+            read_nodes = list(_flat_nodes(list(node.args[1:]))) + list(
+                _flat_nodes(dict(node.kwargs))
+            )
         else:
             read_nodes = list(node.all_input_nodes)
         for n in read_nodes:
@@ -234,9 +240,7 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
             if chain is None:
                 chain = open_chains[acc] = Chain(acc, [], set())
             chain.sites.append(site)
-            chain.operand_storages |= _storages(
-                info, _flat_nodes([s.args for s in site.steps])
-            )
+            chain.operand_storages |= _storages(info, _flat_nodes([s.args for s in site.steps]))
     for acc in list(open_chains):
         close(acc)
     return chains
@@ -261,17 +265,12 @@ def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -
             with gm.graph.inserting_after(anchor):
                 node = gm.graph.placeholder(f"collage_lo_{acc.node.name}")
         _compat.mark_new_input(node)
-        if acc.real is not None:
-            # a get_attr tensor's example value comes from Dynamo's attribute fake mode;
-            # AOTAutograd fakeifies the real tensor in the tracing context's mode instead
-            real = acc.real
-            with fake_mode:
-                fake = torch.empty_strided(
-                    tuple(real.shape), real.stride(), dtype=real.dtype, device=real.device
-                )
-        else:
-            with fake_mode:
-                fake = torch.empty_like(acc.example, memory_format=torch.preserve_format)
+        # Dynamo's example values live in its tracing fake mode; AOTAutograd fakeifies the
+        # backend's inputs in the tracing context's own mode (a different one on 2.13), so the
+        # new input's example is made there, with the accumulator's (possibly symbolic) sizes.
+        ex = acc.example
+        with fake_mode:
+            fake = torch.empty_strided(ex.size(), ex.stride(), dtype=ex.dtype, device=ex.device)
         _compat.set_example_value(node, fake)
         node.meta["val"] = fake
         acc.lo_node = node
@@ -279,7 +278,13 @@ def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -
         placeholders.append(node)
 
 
-def emit(gm: fx.GraphModule, info: GraphInfo, chains: list[Chain], unsupported: list[Write], arithmetic: str) -> None:
+def emit(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    chains: list[Chain],
+    unsupported: list[Write],
+    arithmetic: str,
+) -> None:
     """Write each chain's MCF code into the graph and remove the writes it replaces."""
     graph = gm.graph
     em = _Emitter(graph)

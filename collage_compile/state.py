@@ -15,7 +15,7 @@ import torch
 
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["lo_for", "get_lo", "components", "value", "clear"]
+__all__ = ["clear", "components", "get_lo", "lo_for", "value"]
 
 _lock = threading.Lock()
 # id(tensor) -> (weakref to tensor, lo)

@@ -21,7 +21,9 @@ def f32(x: Any) -> Any:
     return float(x)
 
 
-def bind(signature_of: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+def bind(
+    signature_of: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...] | None:
     """Bind a write's operands to ``signature_of``'s parameters, defaults applied.
 
     Returns the positional tuple, or ``None`` when the operands do not fit (an overload the

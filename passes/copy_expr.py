@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from collage_compile.passes._common import bind, f32, is_number, scale
 
 from collage_compile.accumulators import Accumulator, GraphInfo, Step
-from collage_compile.passes._common import bind, f32, is_number, scale
 
 
 class _Unsupported(Exception):
@@ -87,7 +87,17 @@ _NEG = {operator.neg, torch.neg, "neg", torch.Tensor.neg}
 _ADDCDIV = {torch.addcdiv, "addcdiv"}
 _ADDCMUL = {torch.addcmul, "addcmul"}
 _LERP = {torch.lerp, "lerp"}
-_TRANSPARENT_METHODS = {"float", "bfloat16", "half", "double", "to", "type_as", "detach", "clone", "contiguous"}
+_TRANSPARENT_METHODS = {
+    "float",
+    "bfloat16",
+    "half",
+    "double",
+    "to",
+    "type_as",
+    "detach",
+    "clone",
+    "contiguous",
+}
 _TRANSPARENT_FUNCTIONS = {torch.clone, torch.detach}
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from collage_compile.passes._common import bind, f32, is_number
 
 from collage_compile.accumulators import GraphInfo, Step
-from collage_compile.passes._common import bind, f32, is_number
 
 
 def mul_(other: Any) -> None:

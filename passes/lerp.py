@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from collage_compile.accumulators import GraphInfo, Step
 from collage_compile.passes._common import bind
+
+from collage_compile.accumulators import GraphInfo, Step
 
 
 def lerp_(end: Any, weight: Any) -> None:

@@ -1,0 +1,66 @@
+"""Shared test fixtures: a clean Dynamo/lo/warning state per test, and small helpers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import collage_compile
+from collage_compile import _compat, report, state
+
+# Two cores: keep intra-op threads from oversubscribing while gcc compiles kernels.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    _compat.reset_dynamo()
+    state.clear()
+    report.reset_warnings()
+    yield
+    _compat.reset_dynamo()
+
+
+def normalize_gm(text: str) -> str:
+    """Graph text without comments (file paths), trailing spaces, or blank runs."""
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        lines.append(line.rstrip())
+    out = "\n".join(lines)
+    return re.sub(r"0x[0-9a-f]+", "0x...", out)
+
+
+class GraphCapture:
+    """Records the graph module the backend hands to Inductor (after the rewrite)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.graphs: list[str] = []
+        original = _compat.compile_with_inductor
+
+        def spy(gm, example_inputs, config_patches=None):
+            self.graphs.append(
+                gm.print_readable(print_output=False, include_stride=False, include_device=False)
+            )
+            return original(gm, example_inputs, config_patches)
+
+        monkeypatch.setattr(_compat, "compile_with_inductor", spy)
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    return GraphCapture(monkeypatch)
+
+
+def relative_error(value: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
+    """||value - ref|| relative to the total movement ||ref - start|| (float64)."""
+    value, ref, start = value.double(), ref.double(), start.double()
+    return ((value - ref).norm() / (ref - start).norm()).item()
+
+
+def mcf_value(p: torch.Tensor) -> torch.Tensor:
+    return collage_compile.value(p).double()

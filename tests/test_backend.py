@@ -1,0 +1,289 @@
+"""The backend's contract: options, untouched fp32, lo lifecycle, warnings, storage arithmetic."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from conftest import mcf_value, relative_error
+
+import collage_compile
+from collage_compile import state
+
+
+def _bf16_param(n=512, seed=0, scale=0.5, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype))
+
+
+def _grads(n, steps, seed=1, mean=0.01, std=0.005):
+    g = torch.Generator().manual_seed(seed)
+    return [(mean + std * torch.randn(n, generator=g)).to(torch.bfloat16) for _ in range(steps)]
+
+
+# ---- options ------------------------------------------------------------------------------
+
+
+def test_make_backend_rejects_unknown_modes_and_options():
+    with pytest.raises(ValueError, match="mode"):
+        collage_compile.make_backend(mode="everything")
+    with pytest.raises(ValueError, match="arithmetic"):
+        collage_compile.make_backend(arithmetic="fp64")
+    with pytest.raises(TypeError, match="unknown option"):
+        collage_compile.make_backend(precision="high")
+
+
+def test_backend_name_and_options_through_torch_compile():
+    """backend="collage" (entry point) with options={...} selects storage arithmetic:
+    plain SGD is then bit-identical to the paper's Grow run op by op in eager bf16."""
+    p = _bf16_param()
+    hi, lo = p.detach().clone(), torch.zeros_like(p.detach())
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=False)
+    step = torch.compile(opt.step, backend="collage", options={"arithmetic": "storage"})
+    for g in _grads(p.numel(), 20):
+        p.grad = g
+        step()
+        u = g.mul(-1e-3)
+        s = hi + u
+        lo = lo + (u - (s - hi))
+        hi = s + lo
+        lo = lo - (hi - s)
+    got_hi, got_lo = collage_compile.components(p)
+    assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
+
+
+def test_collage_is_registered_as_an_entry_point_without_importing_anything():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        before = set(sys.modules)
+        import collage_compile
+        heavy = [m for m in set(sys.modules) - before if m.startswith(("torch._inductor", "torch._dynamo"))]
+        assert not heavy, heavy
+        from importlib.metadata import entry_points
+        eps = {e.name: e.value for e in entry_points(group="torch_dynamo_backends")}
+        assert eps.get("collage") == "collage_compile.compiler:_registered_backend", eps
+        f = torch.compile(lambda x: x + 1, backend="collage")
+        assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout
+
+
+# ---- storage arithmetic is eager bf16, op by op ----------------------------------------------
+
+
+def _eager_sgd_with_paper_grow(p0, grads, lr, momentum=0.0, nesterov=False, weight_decay=0.0):
+    hi, lo, buf = p0.clone(), torch.zeros_like(p0), None
+    for g in grads:
+        d = g.add(hi, alpha=weight_decay) if weight_decay else g
+        if momentum:
+            buf = d.clone() if buf is None else buf.mul_(momentum).add_(d)
+            d = d.add(buf, alpha=momentum) if nesterov else buf
+        u = d.mul(-lr)
+        s = hi + u
+        lo = lo + (u - (s - hi))
+        hi = s + lo
+        lo = lo - (hi - s)
+    return hi, lo
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"weight_decay": 0.01},
+        {"momentum": 0.9},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    ],
+    ids=["plain", "wd", "momentum", "nesterov_wd"],
+)
+def test_storage_arithmetic_is_bit_identical_to_eager_bf16_grow_for_sgd(kw):
+    p = _bf16_param()
+    p0 = p.detach().clone()
+    grads = _grads(p.numel(), 30)
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=False, **kw)
+    step = torch.compile(opt.step, backend=collage_compile.make_backend(arithmetic="storage"))
+    for g in grads:
+        p.grad = g.clone()
+        step()
+    hi, lo = _eager_sgd_with_paper_grow(p0, grads, 1e-3, **kw)
+    got_hi, got_lo = collage_compile.components(p)
+    assert torch.equal(got_hi.detach(), hi)
+    assert torch.equal(got_lo, lo)
+
+
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.01}], ids=["plain", "wd"])
+def test_storage_arithmetic_foreach_sgd_matches_the_same_eager_grow(kw):
+    p = _bf16_param()
+    p0 = p.detach().clone()
+    grads = _grads(p.numel(), 30)
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=True, **kw)
+    step = torch.compile(opt.step, backend=collage_compile.make_backend(arithmetic="storage"))
+    for g in grads:
+        p.grad = g.clone()
+        step()
+    hi, lo = _eager_sgd_with_paper_grow(p0, grads, 1e-3, **kw)
+    got_hi, got_lo = collage_compile.components(p)
+    assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
+
+
+# ---- fp32 is never touched ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_fp32_and_fp64_training_is_bit_identical_to_inductor_and_allocates_no_lo(dtype, opt_name):
+    def make(p):
+        if opt_name == "sgd":
+            return torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=False)
+        return torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=True)
+
+    a, b = _bf16_param(dtype=dtype), _bf16_param(dtype=dtype)
+    oa, ob = make(a), make(b)
+    sa = torch.compile(oa.step, backend=collage_compile.backend)
+    sb = torch.compile(ob.step, backend="inductor")
+    for g in _grads(a.numel(), 10):
+        a.grad, b.grad = g.to(dtype), g.to(dtype)
+        sa()
+        sb()
+    assert torch.equal(a, b)
+    assert collage_compile.components(a)[1] is None
+    assert state.count() == 0
+
+
+def test_mixed_precision_groups_upgrade_only_the_low_precision_params():
+    w16, w32 = _bf16_param(seed=1), _bf16_param(seed=2, dtype=torch.float32)
+    ref32 = torch.nn.Parameter(w32.detach().clone())
+    opt = torch.optim.SGD([{"params": [w16]}, {"params": [w32]}], lr=1e-3, foreach=True)
+    ref_opt = torch.optim.SGD([ref32], lr=1e-3, foreach=True)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    ref_step = torch.compile(ref_opt.step, backend="inductor")
+    for g in _grads(w16.numel(), 10):
+        w16.grad, w32.grad, ref32.grad = g, g.float(), g.float()
+        step()
+        ref_step()
+    assert collage_compile.components(w16)[1] is not None
+    assert collage_compile.components(w32)[1] is None
+    assert torch.equal(w32, ref32)
+
+
+# ---- lo state --------------------------------------------------------------------------------------
+
+
+def test_lo_is_allocated_lazily_with_the_params_dtype_device_and_layout():
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3).bfloat16().to(memory_format=torch.channels_last))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    w.grad = torch.randn_like(w)
+    assert collage_compile.components(w) == (w, None)
+    assert torch.equal(collage_compile.value(w), w.float())
+    step()
+    hi, lo = collage_compile.components(w)
+    assert hi is w
+    assert lo.dtype == w.dtype and lo.device == w.device and lo.shape == w.shape
+    assert lo.stride() == w.stride()
+
+
+def test_lo_survives_the_recompile_a_new_learning_rate_causes():
+    p = _bf16_param()
+    ref = torch.nn.Parameter(p.detach().double().clone())
+    start = ref.detach().clone()
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=False)
+    ref_opt = torch.optim.SGD([ref], lr=1e-3, foreach=False)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    grads = _grads(p.numel(), 200)
+    for g in grads[:100]:
+        p.grad, ref.grad = g, g.double()
+        step()
+        ref_opt.step()
+    lo_before = collage_compile.components(p)[1]
+    assert lo_before.abs().sum() > 0
+    for group in (*opt.param_groups, *ref_opt.param_groups):
+        group["lr"] = 2e-3  # a Python float: Dynamo recompiles the step
+    for g in grads[100:]:
+        p.grad, ref.grad = g, g.double()
+        step()
+        ref_opt.step()
+    assert collage_compile.components(p)[1] is lo_before
+    assert relative_error(mcf_value(p), ref.detach(), start) <= 0.02
+
+
+def test_lo_dies_with_its_tensor():
+    def train_once():
+        p = _bf16_param(n=256)
+        opt = torch.optim.SGD([p], lr=1e-3)
+        step = torch.compile(opt.step, backend=collage_compile.backend)
+        p.grad = torch.randn_like(p)
+        step()
+        assert collage_compile.components(p)[1] is not None
+
+    base = state.count()
+    for _ in range(3):
+        train_once()
+        torch._dynamo.reset()
+        gc.collect()
+    assert state.count() == base
+
+
+def test_handwritten_update_on_tensors_passed_as_inputs_is_upgraded():
+    """A user step(params, grads) receives parameters as graph inputs (placeholders)."""
+
+    @torch.compile(backend=collage_compile.backend)
+    def step(params, grads, lr: float):
+        for p, g in zip(params, grads):
+            p.add_(g, alpha=-lr)
+
+    ps = [_bf16_param(seed=s) for s in range(2)]
+    refs = [p.detach().double().clone() for p in ps]
+    starts = [r.clone() for r in refs]
+    with torch.no_grad():
+        for g in _grads(512, 300):
+            step(ps, [g, g], 1e-3)
+            for r in refs:
+                r.add_(g.double(), alpha=-1e-3)
+    for p, r, s in zip(ps, refs, starts):
+        assert relative_error(mcf_value(p), r, s) <= 0.02
+        assert relative_error(p.detach().double(), r, s) >= 0.25
+
+
+# ---- what cannot be upgraded is said, once --------------------------------------------------
+
+
+def test_fused_optimizers_warn_once_naming_the_optimizer():
+    p = _bf16_param()
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    p.grad = torch.randn_like(p)
+    with pytest.warns(collage_compile.CollageWarning, match=r"AdamW\(fused=True\).*foreach=True"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        step()
+        torch._dynamo.reset()
+        step()  # recompiled: the same site is not reported again
+
+
+def test_a_write_that_is_not_an_accumulation_warns_and_restarts_lo():
+    @torch.compile(backend=collage_compile.backend)
+    def step(p, g):
+        p.add_(g, alpha=-1e-3)
+        p.clamp_(-0.25, 0.25)
+
+    p = _bf16_param()
+    with (
+        torch.no_grad(),
+        pytest.warns(collage_compile.CollageWarning, match=r"clamp_.*\[512\], bfloat16"),
+    ):
+        step(p, torch.full_like(p, 0.01))
+    hi, lo = collage_compile.components(p)
+    assert torch.equal(lo, torch.zeros_like(lo))  # the pair stays consistent: value == hi
+    assert hi.abs().max() <= 0.25

@@ -1,0 +1,109 @@
+"""The code Inductor generates: the MCF roundings are in it, and the rewrite adds no kernels.
+
+Inductor silently drops ``to(bf16)``/``to(float32)`` round trips inside a fused kernel, which
+turns a correct-looking Fast2Sum into a no-op.  MCF rounds with a Veltkamp split instead
+(``c = y * 2^16 + y; r = c - (c - y)``); these tests read the generated source and fail if that
+signature disappears, on the C++ (CPU) backend here and on Triton where a GPU is available.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import mcf_value, relative_error
+
+import collage_compile
+from collage_compile import _compat
+
+_ASSIGN = re.compile(r"^\s*(?:auto\s+)?(tmp\d+)\s*=\s*(tmp\d+)\s*-\s*(tmp\d+)\s*;?\s*$")
+
+
+def veltkamp_roundings(code: str) -> int:
+    """How many ``r = c - d`` follow a ``d = c - y`` (the split's signature)."""
+    diffs: dict[str, tuple[str, str]] = {}
+    count = 0
+    for line in code.splitlines():
+        m = _ASSIGN.match(line)
+        if not m:
+            continue
+        out, a, b = m.groups()
+        if b in diffs and diffs[b][0] == a:
+            count += 1
+        diffs[out] = (a, b)
+    return count
+
+
+def kernel_names(code: str) -> set[str]:
+    return set(re.findall(r"\b((?:cpp|triton)_\w+?_\d+)\b\s*(?:\(|=|\.run)", code))
+
+
+def _step(opt_name: str, params, backend):
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
+    return torch.compile(opt.step, backend=backend)
+
+
+def _params(device="cpu", dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    ps = [
+        torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype))
+        for s in [(64, 32), (32,)]
+    ]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    return ps
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_generated_cpp_keeps_the_roundings(opt_name):
+    ps = _params()
+    _, code = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
+    src = "\n".join(code)
+    # two roundings (hi and lo) per upgraded tensor, each a Veltkamp split on 65536 = 2^16
+    assert "65536.0" in src
+    assert veltkamp_roundings(src) >= 2 * len(ps)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_the_rewrite_adds_no_kernels(opt_name):
+    _, plain = _compat.run_and_get_kernel_code(_step(opt_name, _params(), "inductor"))
+    torch._dynamo.reset()
+    _, ours = _compat.run_and_get_kernel_code(_step(opt_name, _params(), collage_compile.backend))
+    n_plain, n_ours = len(kernel_names("\n".join(plain))), len(kernel_names("\n".join(ours)))
+    assert n_plain >= 1
+    assert n_ours == n_plain
+
+
+def test_fp16_rounding_uses_the_fp16_split():
+    ps = _params(dtype=torch.float16)
+    _, code = _compat.run_and_get_kernel_code(_step("sgd", ps, collage_compile.backend))
+    src = "\n".join(code)
+    assert "8192.0" in src and veltkamp_roundings(src) >= 2 * len(ps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton codegen)")
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_generated_triton_keeps_the_roundings_and_the_numerics(opt_name):
+    ps = _params("cuda")
+    _, code = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
+    src = "\n".join(code)
+    assert veltkamp_roundings(src) >= 2 * len(ps)
+    # and the compensation works after Triton compilation: SGD stream as in the CPU tests
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    p = torch.nn.Parameter((torch.randn(4096, device="cuda", generator=g) * 0.5).bfloat16())
+    ref = p.detach().double().clone()
+    start = ref.clone()
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=True)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    for _ in range(300):
+        grad = (0.01 + 0.005 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+        p.grad = grad
+        step()
+        ref.add_(grad.double(), alpha=-1e-3)
+    assert relative_error(mcf_value(p), ref, start) <= 0.02
+    assert relative_error(p.detach().double(), ref, start) >= 0.25

@@ -1,0 +1,169 @@
+"""Stock torch.optim optimizers, compiled with the backend, against float64 on the same stream.
+
+The reference is a float64 copy of the parameters driven by the same optimizer class, fed the
+same gradients *and* the optimizer state of the run it checks (copied in before every step):
+it receives exactly the updates the bf16 run intended, and accumulates them without
+rounding.  What the bf16 run loses is then the accumulation error alone.  Every stream is
+one where plain bf16 (the same optimizer compiled with ``backend="inductor"``) loses most of
+the movement, and the tests require it to be at least 25x worse than collage, so a
+compensation that silently became a no-op fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import mcf_value, relative_error
+
+import collage_compile
+
+# Updates of ~2^-11 of the weights: below half a bf16 ulp (plain bf16 drops them) and well
+# above the ~2^-17 a bf16 pair resolves.  Smooth streams (momentum) at ~2^-15 accumulate a
+# systematic lo rounding error of several percent; README states that limit.
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 1e-3}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+    "sgd_nesterov_wd": (
+        torch.optim.SGD,
+        {"lr": 1e-3, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    ),
+    "adam": (torch.optim.Adam, {"lr": 3e-4}),
+    "adamw": (torch.optim.AdamW, {"lr": 3e-4, "weight_decay": 0.01}),
+}
+
+
+def _params(seed: int, scale: float, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(32, 64), (64,)]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * scale).to(dtype)) for s in shapes]
+
+
+def _sync_state(src: torch.optim.Optimizer, src_params, dst: torch.optim.Optimizer, dst_params):
+    for ps, pd in zip(src_params, dst_params):
+        st = src.state.get(ps)
+        if not st:
+            continue
+        dst.state[pd] = {
+            k: (
+                v.detach().to(torch.float64).clone()
+                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
+                else (v.clone() if torch.is_tensor(v) else v)
+            )
+            for k, v in st.items()
+        }
+
+
+def run_stream(
+    name: str,
+    foreach: bool,
+    backend,
+    steps: int,
+    scale: float,
+    grad_mean: float,
+    grad_std: float,
+    seed: int = 0,
+):
+    """Train bf16 params with ``backend`` and a float64 shadow fed the same updates.
+
+    Returns (relative error of the bf16 run's value vs its float64 shadow, params).
+    """
+    cls, kw = OPTIMIZERS[name]
+    params = _params(seed, scale, torch.bfloat16)
+    start = [p.detach().double().clone() for p in params]
+    ref = [torch.nn.Parameter(s.clone()) for s in start]
+    opt = cls(params, foreach=foreach, **kw)
+    ref_opt = cls(ref, foreach=False, **kw)
+    step = torch.compile(opt.step, backend=backend)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        for p, r in zip(params, ref):
+            grad = (grad_mean + grad_std * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+            p.grad = grad
+            r.grad = grad.double()
+        _sync_state(opt, params, ref_opt, ref)
+        step()
+        ref_opt.step()
+    value = torch.cat([mcf_value(p).flatten() for p in params])
+    target = torch.cat([r.detach().flatten() for r in ref])
+    origin = torch.cat([s.flatten() for s in start])
+    return relative_error(value, target, origin), params
+
+
+STREAMS = {
+    # (steps, weight scale, grad mean, grad std): updates far below half a bf16 ulp of the weights
+    "sgd": (300, 0.5, 0.01, 0.005),
+    "sgd_momentum": (200, 0.5, 0.01, 0.005),
+    "sgd_nesterov_wd": (200, 0.5, 0.01, 0.005),
+    "adam": (150, 1.0, 0.0, 0.01),
+    "adamw": (150, 1.0, 0.0, 0.01),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_collage_tracks_float64_where_plain_bf16_loses_the_updates(name, foreach):
+    steps, scale, mean, std = STREAMS[name]
+    err, params = run_stream(name, foreach, collage_compile.backend, steps, scale, mean, std)
+    plain_err, _ = run_stream(name, foreach, "inductor", steps, scale, mean, std)
+    print(f"{name} foreach={foreach}: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert err <= 0.02
+    assert plain_err >= 25 * err
+    assert plain_err >= 0.5  # the stream really is one where plain bf16 loses most updates
+    for p in params:
+        _, lo = collage_compile.components(p)
+        assert lo is not None and lo.dtype == p.dtype and lo.shape == p.shape
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_sgd_done_criterion_stream(foreach):
+    """lr=1e-3, grads 0.01 +- 0.005, weights N(0, 0.5^2), 300 steps (the issue's numbers)."""
+    err, _ = run_stream("sgd", foreach, collage_compile.backend, 300, 0.5, 0.01, 0.005)
+    plain_err, _ = run_stream("sgd", foreach, "inductor", 300, 0.5, 0.01, 0.005)
+    assert err <= 0.02 and plain_err >= 0.5
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_adamw_follows_a_float64_adamw_fed_the_same_grads(foreach):
+    """lr=1e-5, weight_decay=0.01, 150 steps, weights N(0,1): the issue's AdamW criterion.
+
+    Here the float64 AdamW keeps its own float64 state (nothing is copied in), so this also
+    measures what bf16 optimizer state costs in light mode.
+    """
+    torch.manual_seed(0)
+    params = _params(3, 1.0, torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
+    start = [p.detach().double().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=foreach)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(150):
+        for p, r in zip(params, ref):
+            grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+            p.grad, r.grad = grad, grad.double()
+        step()
+        ref_opt.step()
+    d = torch.cat([(mcf_value(p) - s).flatten() for p, s in zip(params, start)])
+    d_ref = torch.cat([(r.detach() - s).flatten() for r, s in zip(ref, start)])
+    cos = torch.nn.functional.cosine_similarity(d, d_ref, dim=0).item()
+    ratio = (d.norm() / d_ref.norm()).item()
+    print(f"AdamW foreach={foreach}: cosine {cos:.5f}, norm ratio {ratio:.4f}")
+    assert cos >= 0.99
+    assert abs(ratio - 1) <= 0.05
+
+
+def test_a_smooth_stream_near_the_pairs_limit_keeps_a_few_percent_error():
+    """README's stated limit: SGD momentum at lr=1e-4 on weights N(0, 0.5^2) gives updates of
+    ~2^-15 of the weights that barely change from step to step, so lo's own rounding (8 bits)
+    errs the same way every step.  Still far better than plain bf16, but not within 2 %."""
+    OPTIMIZERS["sgd_momentum_small"] = (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9})
+    try:
+        err, _ = run_stream(
+            "sgd_momentum_small", False, collage_compile.backend, 200, 0.5, 0.01, 0.005
+        )
+        plain_err, _ = run_stream("sgd_momentum_small", False, "inductor", 200, 0.5, 0.01, 0.005)
+    finally:
+        del OPTIMIZERS["sgd_momentum_small"]
+    print(f"smooth stream near the limit: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert 0.01 <= err <= 0.1
+    assert plain_err >= 0.9

@@ -1,0 +1,412 @@
+"""Snapshots of the rewritten graphs (the graph handed to Inductor), pinned with expecttest.
+
+Tiny fixed shapes, CPU, ``dynamic=False``, a fresh Dynamo per test.  Refresh after an
+intended change with ``EXPECTTEST_ACCEPT=1 pytest tests/test_snapshots.py`` and review the
+diff: it shows exactly which arithmetic the rewrite now emits.  The graphs are the ones
+Dynamo produces on torch 2.13; other versions trace optimizers differently.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from conftest import GraphCapture, normalize_gm
+
+import collage_compile
+from collage_compile import _compat
+
+pytestmark = pytest.mark.skipif(
+    not _compat.torch_version().startswith("2.13"),
+    reason="snapshots are of torch 2.13's Dynamo graphs",
+)
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def setUp(self):
+        _compat.reset_dynamo()
+        self.monkeypatch = pytest.MonkeyPatch()
+        self.capture = GraphCapture(self.monkeypatch)
+
+    def tearDown(self):
+        self.monkeypatch.undo()
+        _compat.reset_dynamo()
+
+    def rewritten(self, make_opt) -> str:
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6).reshape(2, 3).bfloat16())
+        opt = make_opt([p])
+        p.grad = torch.full_like(p, 0.5)
+        step = torch.compile(opt.step, backend=collage_compile.backend, dynamic=False)
+        step()
+        self.assertEqual(len(self.capture.graphs), 1)
+        return normalize_gm(self.capture.graphs[0])
+
+    def test_sgd_single_tensor(self):
+        self.assertExpectedInline(
+            self.rewritten(lambda ps: torch.optim.SGD(ps, lr=1e-3, foreach=False)),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_x: "bf16[2, 3]"):
+        l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
+        x: "bf16[2, 3]" = self.self___param_groups_0__params___0
+        float_1 = x.float()
+        float_2 = collage_lo_x.float()
+        float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
+        mul = float_3 * -0.001;  float_3 = None
+        add = float_1 + mul
+        sub = add - float_1
+        sub_1 = add - sub
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        sub_3 = mul - sub;  mul = sub = None
+        add_1 = sub_2 + sub_3;  sub_2 = sub_3 = None
+        add_2 = float_2 + add_1;  float_2 = add_1 = None
+        abs_1 = add.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        add_3 = add + add_2
+        where = torch.where(lt, add_3, add);  lt = add_3 = None
+        abs_2 = where.abs()
+        ge = abs_2 >= 1.2676506002282294e+30
+        mul_1 = where * 5.421010862427522e-20
+        where_1 = torch.where(ge, mul_1, where);  mul_1 = None
+        mul_2 = where_1 * 65536.0
+        add_4 = mul_2 + where_1;  mul_2 = None
+        sub_4 = add_4 - where_1;  where_1 = None
+        sub_5 = add_4 - sub_4;  add_4 = sub_4 = None
+        mul_3 = sub_5 * 1.8446744073709552e+19
+        where_2 = torch.where(ge, mul_3, sub_5);  ge = mul_3 = sub_5 = None
+        lt_1 = abs_2 < 1.1754943508222875e-38
+        add_5 = abs_2 + 1.1555579666323415e-33
+        sub_6 = add_5 - 1.1555579666323415e-33;  add_5 = None
+        copysign = torch.copysign(sub_6, where);  sub_6 = None
+        where_3 = torch.where(lt_1, copysign, where_2);  lt_1 = copysign = where_2 = None
+        lt_2 = abs_2 < inf;  abs_2 = None
+        where_4 = torch.where(lt_2, where_3, where);  lt_2 = where_3 = where = None
+        abs_3 = where_4.abs()
+        lt_3 = abs_3 < inf;  abs_3 = None
+        sub_7 = add - where_4;  add = None
+        add_6 = sub_7 + add_2;  sub_7 = add_2 = None
+        abs_4 = add_6.abs()
+        ge_1 = abs_4 >= 1.2676506002282294e+30
+        mul_4 = add_6 * 5.421010862427522e-20
+        where_5 = torch.where(ge_1, mul_4, add_6);  mul_4 = None
+        mul_5 = where_5 * 65536.0
+        add_7 = mul_5 + where_5;  mul_5 = None
+        sub_8 = add_7 - where_5;  where_5 = None
+        sub_9 = add_7 - sub_8;  add_7 = sub_8 = None
+        mul_6 = sub_9 * 1.8446744073709552e+19
+        where_6 = torch.where(ge_1, mul_6, sub_9);  ge_1 = mul_6 = sub_9 = None
+        lt_4 = abs_4 < 1.1754943508222875e-38
+        add_8 = abs_4 + 1.1555579666323415e-33
+        sub_10 = add_8 - 1.1555579666323415e-33;  add_8 = None
+        copysign_1 = torch.copysign(sub_10, add_6);  sub_10 = None
+        where_7 = torch.where(lt_4, copysign_1, where_6);  lt_4 = copysign_1 = where_6 = None
+        lt_5 = abs_4 < inf;  abs_4 = None
+        where_8 = torch.where(lt_5, where_7, add_6);  lt_5 = where_7 = add_6 = None
+        where_9 = torch.where(lt_3, where_8, 0.0);  lt_3 = where_8 = None
+        to = where_4.to(torch.bfloat16);  where_4 = None
+        to_1 = where_9.to(torch.bfloat16);  where_9 = None
+        copy_ = x.copy_(to);  x = to = copy_ = None
+        copy__1 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__1 = None
+        return ()""",
+        )
+
+    def test_sgd_foreach(self):
+        self.assertExpectedInline(
+            self.rewritten(lambda ps: torch.optim.SGD(ps, lr=1e-3, foreach=True)),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_self___param_groups_0__params___0: "bf16[2, 3]"):
+        l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
+        self___param_groups_0__params___0: "bf16[2, 3]" = self.self___param_groups_0__params___0
+        float_1 = self___param_groups_0__params___0.float()
+        float_2 = collage_lo_self___param_groups_0__params___0.float()
+        float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
+        mul = float_3 * -0.001;  float_3 = None
+        add = float_1 + mul
+        sub = add - float_1
+        sub_1 = add - sub
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        sub_3 = mul - sub;  mul = sub = None
+        add_1 = sub_2 + sub_3;  sub_2 = sub_3 = None
+        add_2 = float_2 + add_1;  float_2 = add_1 = None
+        abs_1 = add.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        add_3 = add + add_2
+        where = torch.where(lt, add_3, add);  lt = add_3 = None
+        abs_2 = where.abs()
+        ge = abs_2 >= 1.2676506002282294e+30
+        mul_1 = where * 5.421010862427522e-20
+        where_1 = torch.where(ge, mul_1, where);  mul_1 = None
+        mul_2 = where_1 * 65536.0
+        add_4 = mul_2 + where_1;  mul_2 = None
+        sub_4 = add_4 - where_1;  where_1 = None
+        sub_5 = add_4 - sub_4;  add_4 = sub_4 = None
+        mul_3 = sub_5 * 1.8446744073709552e+19
+        where_2 = torch.where(ge, mul_3, sub_5);  ge = mul_3 = sub_5 = None
+        lt_1 = abs_2 < 1.1754943508222875e-38
+        add_5 = abs_2 + 1.1555579666323415e-33
+        sub_6 = add_5 - 1.1555579666323415e-33;  add_5 = None
+        copysign = torch.copysign(sub_6, where);  sub_6 = None
+        where_3 = torch.where(lt_1, copysign, where_2);  lt_1 = copysign = where_2 = None
+        lt_2 = abs_2 < inf;  abs_2 = None
+        where_4 = torch.where(lt_2, where_3, where);  lt_2 = where_3 = where = None
+        abs_3 = where_4.abs()
+        lt_3 = abs_3 < inf;  abs_3 = None
+        sub_7 = add - where_4;  add = None
+        add_6 = sub_7 + add_2;  sub_7 = add_2 = None
+        abs_4 = add_6.abs()
+        ge_1 = abs_4 >= 1.2676506002282294e+30
+        mul_4 = add_6 * 5.421010862427522e-20
+        where_5 = torch.where(ge_1, mul_4, add_6);  mul_4 = None
+        mul_5 = where_5 * 65536.0
+        add_7 = mul_5 + where_5;  mul_5 = None
+        sub_8 = add_7 - where_5;  where_5 = None
+        sub_9 = add_7 - sub_8;  add_7 = sub_8 = None
+        mul_6 = sub_9 * 1.8446744073709552e+19
+        where_6 = torch.where(ge_1, mul_6, sub_9);  ge_1 = mul_6 = sub_9 = None
+        lt_4 = abs_4 < 1.1754943508222875e-38
+        add_8 = abs_4 + 1.1555579666323415e-33
+        sub_10 = add_8 - 1.1555579666323415e-33;  add_8 = None
+        copysign_1 = torch.copysign(sub_10, add_6);  sub_10 = None
+        where_7 = torch.where(lt_4, copysign_1, where_6);  lt_4 = copysign_1 = where_6 = None
+        lt_5 = abs_4 < inf;  abs_4 = None
+        where_8 = torch.where(lt_5, where_7, add_6);  lt_5 = where_7 = add_6 = None
+        where_9 = torch.where(lt_3, where_8, 0.0);  lt_3 = where_8 = None
+        to = where_4.to(torch.bfloat16);  where_4 = None
+        to_1 = where_9.to(torch.bfloat16);  where_9 = None
+        copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
+        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
+        return ()""",
+        )
+
+    def test_adamw_single_tensor(self):
+        self.assertExpectedInline(
+            self.rewritten(
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=False)
+            ),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_x: "bf16[2, 3]"):
+        l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
+        x: "bf16[2, 3]" = self.self___param_groups_0__params___0
+        step_t: "f32[]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____0
+        step_t += 1;  step_t_1: "f32[]" = step_t;  step_t = None
+        exp_avg: "bf16[2, 3]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____1
+        lerp_: "bf16[2, 3]" = exp_avg.lerp_(l_self_param_groups_0_params_0_grad, 0.09999999999999998);  lerp_ = None
+        exp_avg_sq: "bf16[2, 3]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____2
+        mul__1: "bf16[2, 3]" = exp_avg_sq.mul_(0.999)
+        mul: "bf16[2, 3]" = torch.mul(l_self_param_groups_0_params_0_grad, l_self_param_groups_0_params_0_grad);  l_self_param_groups_0_params_0_grad = None
+        fma_default: "bf16[2, 3]" = torch.ops.prims.fma.default(mul, 0.0010000000000000009, mul__1);  mul = None
+        copy_: "bf16[2, 3]" = mul__1.copy_(fma_default);  mul__1 = fma_default = copy_ = None
+        pow_1: "f32[]" = 0.9 ** step_t_1
+        bias_correction1: "f32[]" = 1 - pow_1;  pow_1 = None
+        pow_2: "f32[]" = 0.999 ** step_t_1;  step_t_1 = None
+        bias_correction2: "f32[]" = 1 - pow_2;  pow_2 = None
+        step_size: "f32[]" = 0.001 / bias_correction1;  bias_correction1 = None
+        step_size_neg: "f32[]" = step_size.neg();  step_size = None
+        bias_correction2_sqrt: "f32[]" = bias_correction2.sqrt();  bias_correction2 = None
+        sqrt_1: "bf16[2, 3]" = exp_avg_sq.sqrt();  exp_avg_sq = None
+        mul_1: "f32[]" = bias_correction2_sqrt * step_size_neg;  bias_correction2_sqrt = None
+        truediv_1: "bf16[2, 3]" = sqrt_1 / mul_1;  sqrt_1 = mul_1 = None
+        truediv_2: "f32[]" = 1e-08 / step_size_neg;  step_size_neg = None
+        denom: "bf16[2, 3]" = truediv_1.add_(truediv_2);  truediv_1 = truediv_2 = None
+        float_1 = x.float()
+        float_2 = collage_lo_x.float()
+        mul_2 = float_1 * 0.9999899864196777
+        mul_3 = float_1 * 4096.0
+        add = mul_3 + float_1;  mul_3 = None
+        sub = add - float_1
+        sub_1 = add - sub;  add = sub = None
+        sub_2 = float_1 - sub_1
+        mul_4 = sub_1 * 1.0
+        sub_3 = mul_4 - mul_2;  mul_4 = None
+        mul_5 = sub_1 * -1.0013580322265625e-05;  sub_1 = None
+        add_1 = sub_3 + mul_5;  sub_3 = mul_5 = None
+        mul_6 = sub_2 * 1.0
+        add_2 = add_1 + mul_6;  add_1 = mul_6 = None
+        mul_7 = sub_2 * -1.0013580322265625e-05;  sub_2 = None
+        add_3 = add_2 + mul_7;  add_2 = mul_7 = None
+        abs_1 = add_3.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
+        mul_8 = float_1 * 1.358032264420217e-08;  float_1 = None
+        mul_9 = float_2 * 0.9999899864196777;  float_2 = None
+        add_4 = mul_8 + mul_9;  mul_8 = mul_9 = None
+        add_5 = where + add_4;  where = add_4 = None
+        float_3 = exp_avg.float();  exp_avg = None
+        float_4 = denom.float();  denom = None
+        truediv = float_3 / float_4;  float_3 = float_4 = None
+        add_6 = mul_2 + truediv
+        sub_4 = add_6 - mul_2
+        sub_5 = add_6 - sub_4
+        sub_6 = mul_2 - sub_5;  mul_2 = sub_5 = None
+        sub_7 = truediv - sub_4;  truediv = sub_4 = None
+        add_7 = sub_6 + sub_7;  sub_6 = sub_7 = None
+        add_8 = add_5 + add_7;  add_5 = add_7 = None
+        abs_2 = add_6.abs()
+        lt_1 = abs_2 < inf;  abs_2 = None
+        add_9 = add_6 + add_8
+        where_1 = torch.where(lt_1, add_9, add_6);  lt_1 = add_9 = None
+        abs_3 = where_1.abs()
+        ge = abs_3 >= 1.2676506002282294e+30
+        mul_10 = where_1 * 5.421010862427522e-20
+        where_2 = torch.where(ge, mul_10, where_1);  mul_10 = None
+        mul_11 = where_2 * 65536.0
+        add_10 = mul_11 + where_2;  mul_11 = None
+        sub_8 = add_10 - where_2;  where_2 = None
+        sub_9 = add_10 - sub_8;  add_10 = sub_8 = None
+        mul_12 = sub_9 * 1.8446744073709552e+19
+        where_3 = torch.where(ge, mul_12, sub_9);  ge = mul_12 = sub_9 = None
+        lt_2 = abs_3 < 1.1754943508222875e-38
+        add_11 = abs_3 + 1.1555579666323415e-33
+        sub_10 = add_11 - 1.1555579666323415e-33;  add_11 = None
+        copysign = torch.copysign(sub_10, where_1);  sub_10 = None
+        where_4 = torch.where(lt_2, copysign, where_3);  lt_2 = copysign = where_3 = None
+        lt_3 = abs_3 < inf;  abs_3 = None
+        where_5 = torch.where(lt_3, where_4, where_1);  lt_3 = where_4 = where_1 = None
+        abs_4 = where_5.abs()
+        lt_4 = abs_4 < inf;  abs_4 = None
+        sub_11 = add_6 - where_5;  add_6 = None
+        add_12 = sub_11 + add_8;  sub_11 = add_8 = None
+        abs_5 = add_12.abs()
+        ge_1 = abs_5 >= 1.2676506002282294e+30
+        mul_13 = add_12 * 5.421010862427522e-20
+        where_6 = torch.where(ge_1, mul_13, add_12);  mul_13 = None
+        mul_14 = where_6 * 65536.0
+        add_13 = mul_14 + where_6;  mul_14 = None
+        sub_12 = add_13 - where_6;  where_6 = None
+        sub_13 = add_13 - sub_12;  add_13 = sub_12 = None
+        mul_15 = sub_13 * 1.8446744073709552e+19
+        where_7 = torch.where(ge_1, mul_15, sub_13);  ge_1 = mul_15 = sub_13 = None
+        lt_5 = abs_5 < 1.1754943508222875e-38
+        add_14 = abs_5 + 1.1555579666323415e-33
+        sub_14 = add_14 - 1.1555579666323415e-33;  add_14 = None
+        copysign_1 = torch.copysign(sub_14, add_12);  sub_14 = None
+        where_8 = torch.where(lt_5, copysign_1, where_7);  lt_5 = copysign_1 = where_7 = None
+        lt_6 = abs_5 < inf;  abs_5 = None
+        where_9 = torch.where(lt_6, where_8, add_12);  lt_6 = where_8 = add_12 = None
+        where_10 = torch.where(lt_4, where_9, 0.0);  lt_4 = where_9 = None
+        to = where_5.to(torch.bfloat16);  where_5 = None
+        to_1 = where_10.to(torch.bfloat16);  where_10 = None
+        copy__1 = x.copy_(to);  x = to = copy__1 = None
+        copy__2 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__2 = None
+        return ()""",
+        )
+
+    def test_adamw_foreach(self):
+        self.assertExpectedInline(
+            self.rewritten(
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True)
+            ),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_self___param_groups_0__params___0: "bf16[2, 3]"):
+        l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
+        self___param_groups_0__params___0: "bf16[2, 3]" = self.self___param_groups_0__params___0
+        self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1: "bf16[2, 3]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____1
+        self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____2: "bf16[2, 3]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____2
+        self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____0: "f32[]" = self.self___state_list_dict_keys_L__self___state___0__list_dict_keys_L__self___state_list_dict_keys_L__self___state___0____0
+        _foreach_add_ = torch._foreach_add_([self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____0], 1);  _foreach_add_ = None
+        _foreach_sub = torch._foreach_sub([l_self_param_groups_0_params_0_grad], [self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1])
+        d: "bf16[2, 3]" = _foreach_sub[0];  _foreach_sub = None
+        full_like: "bf16[2, 3]" = torch.full_like(d, 0.09999999999999998)
+        _foreach_addcmul_ = torch._foreach_addcmul_([self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1], [full_like], (d,));  full_like = d = _foreach_addcmul_ = None
+        _foreach_mul__1 = torch._foreach_mul_([self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____2], 0.999);  _foreach_mul__1 = None
+        _foreach_addcmul__1 = torch._foreach_addcmul_([self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____2], [l_self_param_groups_0_params_0_grad], [l_self_param_groups_0_params_0_grad], 0.0010000000000000009);  l_self_param_groups_0_params_0_grad = _foreach_addcmul__1 = None
+        _foreach_pow = torch._foreach_pow(0.9, [self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____0])
+        getitem_6: "f32[]" = _foreach_pow[0];  _foreach_pow = None
+        _foreach_pow_1 = torch._foreach_pow(0.999, [self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____0]);  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____0 = None
+        getitem_7: "f32[]" = _foreach_pow_1[0];  _foreach_pow_1 = None
+        _foreach_sub_ = torch._foreach_sub_((getitem_6,), 1);  _foreach_sub_ = None
+        _foreach_sub__1 = torch._foreach_sub_((getitem_7,), 1);  _foreach_sub__1 = None
+        _foreach_neg_ = torch._foreach_neg_((getitem_7,));  _foreach_neg_ = None
+        _foreach_div_ = torch._foreach_div_((getitem_6,), 0.001);  _foreach_div_ = None
+        _foreach_reciprocal_ = torch._foreach_reciprocal_((getitem_6,));  _foreach_reciprocal_ = None
+        _foreach_sqrt_ = torch._foreach_sqrt_((getitem_7,));  _foreach_sqrt_ = None
+        _foreach_sqrt = torch._foreach_sqrt([self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____2]);  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____2 = None
+        getitem_14: "bf16[2, 3]" = _foreach_sqrt[0];  _foreach_sqrt = None
+        _foreach_div__1 = torch._foreach_div_((getitem_14,), (getitem_7,));  getitem_7 = _foreach_div__1 = None
+        _foreach_add__1 = torch._foreach_add_((getitem_14,), 1e-08);  _foreach_add__1 = None
+        _foreach_div__2 = torch._foreach_div_((getitem_14,), (getitem_6,));  getitem_6 = _foreach_div__2 = None
+        float_1 = self___param_groups_0__params___0.float()
+        float_2 = collage_lo_self___param_groups_0__params___0.float()
+        mul = float_1 * 0.9999899864196777
+        mul_1 = float_1 * 4096.0
+        add = mul_1 + float_1;  mul_1 = None
+        sub = add - float_1
+        sub_1 = add - sub;  add = sub = None
+        sub_2 = float_1 - sub_1
+        mul_2 = sub_1 * 1.0
+        sub_3 = mul_2 - mul;  mul_2 = None
+        mul_3 = sub_1 * -1.0013580322265625e-05;  sub_1 = None
+        add_1 = sub_3 + mul_3;  sub_3 = mul_3 = None
+        mul_4 = sub_2 * 1.0
+        add_2 = add_1 + mul_4;  add_1 = mul_4 = None
+        mul_5 = sub_2 * -1.0013580322265625e-05;  sub_2 = None
+        add_3 = add_2 + mul_5;  add_2 = mul_5 = None
+        abs_1 = add_3.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
+        mul_6 = float_1 * 1.358032264420217e-08;  float_1 = None
+        mul_7 = float_2 * 0.9999899864196777;  float_2 = None
+        add_4 = mul_6 + mul_7;  mul_6 = mul_7 = None
+        add_5 = where + add_4;  where = add_4 = None
+        float_3 = self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1.float();  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1 = None
+        float_4 = getitem_14.float();  getitem_14 = None
+        truediv = float_3 / float_4;  float_3 = float_4 = None
+        add_6 = mul + truediv
+        sub_4 = add_6 - mul
+        sub_5 = add_6 - sub_4
+        sub_6 = mul - sub_5;  mul = sub_5 = None
+        sub_7 = truediv - sub_4;  truediv = sub_4 = None
+        add_7 = sub_6 + sub_7;  sub_6 = sub_7 = None
+        add_8 = add_5 + add_7;  add_5 = add_7 = None
+        abs_2 = add_6.abs()
+        lt_1 = abs_2 < inf;  abs_2 = None
+        add_9 = add_6 + add_8
+        where_1 = torch.where(lt_1, add_9, add_6);  lt_1 = add_9 = None
+        abs_3 = where_1.abs()
+        ge = abs_3 >= 1.2676506002282294e+30
+        mul_8 = where_1 * 5.421010862427522e-20
+        where_2 = torch.where(ge, mul_8, where_1);  mul_8 = None
+        mul_9 = where_2 * 65536.0
+        add_10 = mul_9 + where_2;  mul_9 = None
+        sub_8 = add_10 - where_2;  where_2 = None
+        sub_9 = add_10 - sub_8;  add_10 = sub_8 = None
+        mul_10 = sub_9 * 1.8446744073709552e+19
+        where_3 = torch.where(ge, mul_10, sub_9);  ge = mul_10 = sub_9 = None
+        lt_2 = abs_3 < 1.1754943508222875e-38
+        add_11 = abs_3 + 1.1555579666323415e-33
+        sub_10 = add_11 - 1.1555579666323415e-33;  add_11 = None
+        copysign = torch.copysign(sub_10, where_1);  sub_10 = None
+        where_4 = torch.where(lt_2, copysign, where_3);  lt_2 = copysign = where_3 = None
+        lt_3 = abs_3 < inf;  abs_3 = None
+        where_5 = torch.where(lt_3, where_4, where_1);  lt_3 = where_4 = where_1 = None
+        abs_4 = where_5.abs()
+        lt_4 = abs_4 < inf;  abs_4 = None
+        sub_11 = add_6 - where_5;  add_6 = None
+        add_12 = sub_11 + add_8;  sub_11 = add_8 = None
+        abs_5 = add_12.abs()
+        ge_1 = abs_5 >= 1.2676506002282294e+30
+        mul_11 = add_12 * 5.421010862427522e-20
+        where_6 = torch.where(ge_1, mul_11, add_12);  mul_11 = None
+        mul_12 = where_6 * 65536.0
+        add_13 = mul_12 + where_6;  mul_12 = None
+        sub_12 = add_13 - where_6;  where_6 = None
+        sub_13 = add_13 - sub_12;  add_13 = sub_12 = None
+        mul_13 = sub_13 * 1.8446744073709552e+19
+        where_7 = torch.where(ge_1, mul_13, sub_13);  ge_1 = mul_13 = sub_13 = None
+        lt_5 = abs_5 < 1.1754943508222875e-38
+        add_14 = abs_5 + 1.1555579666323415e-33
+        sub_14 = add_14 - 1.1555579666323415e-33;  add_14 = None
+        copysign_1 = torch.copysign(sub_14, add_12);  sub_14 = None
+        where_8 = torch.where(lt_5, copysign_1, where_7);  lt_5 = copysign_1 = where_7 = None
+        lt_6 = abs_5 < inf;  abs_5 = None
+        where_9 = torch.where(lt_6, where_8, add_12);  lt_6 = where_8 = add_12 = None
+        where_10 = torch.where(lt_4, where_9, 0.0);  lt_4 = where_9 = None
+        to = where_5.to(torch.bfloat16);  where_5 = None
+        to_1 = where_10.to(torch.bfloat16);  where_10 = None
+        copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
+        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
+        return ()""",
+        )
