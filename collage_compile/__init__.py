@@ -10,7 +10,9 @@ through the ``torch_dynamo_backends`` entry point, loaded the first time it is a
 
 from __future__ import annotations
 
-from collage_compile.compiler import backend, make_backend
+from typing import Any
+
+from collage_compile.compiler import inductor_options, make_backend
 from collage_compile.config import CollageConfig
 from collage_compile.report import CollageWarning
 from collage_compile.state import components, value
@@ -20,8 +22,21 @@ __all__ = [
     "CollageWarning",
     "backend",
     "components",
+    "inductor_options",
     "make_backend",
     "value",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # ``collage_compile.backend`` is resolved on first use, so that the once-only set-up
+    # (a warning hook for fused optimizers, which never reach a backend) runs when the
+    # backend is asked for, never on import.
+    if name == "backend":
+        from collage_compile import compiler, report
+
+        report.watch_fused_optimizers()
+        return compiler.backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -91,8 +91,17 @@ def compile_with_inductor(
 
 def bounded_inlining_patch() -> dict[str, Any]:
     """Inductor config that bounds how large a reused pointwise expression may grow before
-    it is materialized (``realize_opcount_threshold``: 30 by default, 50 on CPU in 2.13)."""
-    return {"realize_opcount_threshold": 16}
+    it is materialized (``realize_opcount_threshold``: 30 by default, 50 on CPU in 2.13).
+
+    Measured cold on 2.13 CPU, compiling ``mcf.grow(..., "storage")`` on 16 elements:
+    threshold 16 took 24 s, 8 took 6 s, the default did not finish in minutes.
+    """
+    return {"realize_opcount_threshold": 8}
+
+
+def eager_rounding_patch() -> dict[str, Any]:
+    """Inductor config that rounds every bf16/fp16 op's result as eager does."""
+    return {"emulate_precision_casts": True}
 
 
 def storage_key(t: torch.Tensor) -> Any:
@@ -102,14 +111,17 @@ def storage_key(t: torch.Tensor) -> Any:
     return StorageWeakRef(t.untyped_storage())
 
 
-def register_backend_name() -> None:
-    """Fallback registration for checkouts run without installation (entry point absent)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+def is_op_overload(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
 
-    if "collage" not in _BACKENDS:
-        from collage_compile.compiler import _registered_backend
 
-        register_backend(name="collage")(_registered_backend)
+def written_schema_args(op: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an aten/prims op writes in place (``Tensor(a!)``)."""
+    return [
+        (i, arg.name)
+        for i, arg in enumerate(op._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
 
 
 def fused_optimizer_ops() -> dict[Any, str]:

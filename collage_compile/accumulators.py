@@ -121,12 +121,11 @@ def _written_operands(node: fx.Node) -> list[tuple[Any, str]]:
         written.append((node.args[0], _INPLACE_OPERATORS[target]))
     elif is_foreach_inplace(target):
         written.append((node.args[0], target.__name__[len("_foreach_") :]))
-    elif isinstance(target, torch._ops.OpOverload):
-        for i, arg in enumerate(target._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                if val is not None:
-                    written.append((val, target.__name__))
+    elif _compat.is_op_overload(target):
+        for i, name in _compat.written_schema_args(target):
+            val = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            if val is not None:
+                written.append((val, target.__name__))
     else:
         name = getattr(target, "__name__", "")
         if name.endswith("_") and not name.startswith("__") and node.args:

@@ -22,6 +22,11 @@ split), which no compiler pass may remove without licence to reassociate floatin
 (Inductor's C++ flags keep ``-fno-unsafe-math-optimizations`` and ``-ffp-contract=off``;
 Triton does not reassociate).  Every product inside it and inside :func:`two_prod` is exact,
 so FMA contraction (Triton's default) cannot change a result either.
+
+Compiling these functions yourself: pass ``options=collage_compile.inductor_options()`` to
+``torch.compile``.  Error-free transformations reuse every intermediate several times, and
+Inductor re-traces a reused pointwise value into each user until it is large, which makes
+lowering exponential in the chain length (the backend applies the same option itself).
 """
 
 from __future__ import annotations
@@ -295,10 +300,3 @@ def value(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
     if lo is None:
         return hi.float()
     return hi.float() + lo.float()
-
-
-def ulp(x: torch.Tensor) -> torch.Tensor:
-    """Unit in the last place of each element of ``x`` in its own dtype (as float64)."""
-    info = torch.finfo(x.dtype)
-    ax = x.double().abs().clamp_min(info.smallest_normal)
-    return torch.exp2(torch.floor(torch.log2(ax))) * info.eps

@@ -9,7 +9,10 @@ import threading
 import warnings
 from typing import Any
 
+import torch
+
 from collage_compile import _compat
+from collage_compile.mcf import LOW_PRECISION as _LOW
 
 log = logging.getLogger("collage_compile")
 
@@ -109,6 +112,57 @@ def _why(write: Any, fused: dict[Any, str]) -> str:
     if not write.full_alias:
         return "the write goes through a view of the tensor; lo restarts from zero after it"
     return f"{write.op} is not an accumulation the backend can carry exactly; lo restarts from zero after it"
+
+
+_fused_hook = None
+_fused_lock = threading.Lock()
+_warn_fused_eagerly: Any = None
+
+
+def watch_fused_optimizers() -> None:
+    """Install (once) a global optimizer pre-step hook that warns about ``fused=True``.
+
+    Dynamo never traces into a fused optimizer (``torch.optim`` wraps it in
+    ``torch.compiler.disable``), so its step never reaches the backend as a graph: a fused
+    optimizer over bf16/fp16 parameters would silently run plain low-precision arithmetic.
+    The hook is installed when the backend is first asked for, never at import.
+    """
+    global _fused_hook
+    with _fused_lock:
+        if _fused_hook is not None:
+            return
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        global _warn_fused_eagerly
+        # Dynamo graph-breaks on a disabled function and runs it eagerly: the warning is
+        # never traced into a graph (only fused optimizers, which run eagerly anyway, reach it)
+        _warn_fused_eagerly = torch.compiler.disable(_warn_fused)
+        _fused_hook = register_optimizer_step_pre_hook(_check_fused)
+
+
+def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
+    # False and adds nothing to the graph.
+    for group in optimizer.param_groups:
+        if group.get("fused") and any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
+            _warn_fused_eagerly(type(optimizer).__name__)
+            return
+
+
+def _warn_fused(name: str) -> None:
+    key = ("fused", name)
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"collage: {name}(fused=True) runs one opaque kernel that torch.compile does not trace, "
+        f"so its bf16/fp16 parameters are updated in plain low precision (updates below half "
+        f"an ulp are lost); construct it with foreach=True (or foreach=False) to have collage "
+        f"upgrade it",
+        CollageWarning,
+        stacklevel=3,
+    )
 
 
 def record(rep: GraphReport) -> None:

@@ -199,10 +199,6 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
     unsupported_at: dict[fx.Node, list[Write]] = {}
     for w in unsupported:
         unsupported_at.setdefault(w.node, []).append(w)
-    written_by: dict[fx.Node, set[Any]] = {}
-    for w in info.writes:
-        written_by.setdefault(w.node, set())
-
     open_chains: dict[Accumulator, Chain] = {}
     chains: list[Chain] = []
 
@@ -213,10 +209,12 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
 
     for node in info.gm.graph.nodes:
         here = sites_at.get(node, [])
-        # 1. what this node reads: a chain is closed before a reader of its tensor
-        if here or node in unsupported_at or node in written_by:
+        written = list(_written_nodes(node))
+        # 1. what this node reads: a chain is closed before a reader of its tensor (the
+        #    tensors a node writes in place are not reads of it)
+        if written:
             read_nodes = list(_flat_nodes(list(node.args[1:]))) + list(
-                _flat_nodes(dict(node.kwargs))
+                _flat_nodes({k: v for k, v in node.kwargs.items() if k != "out"})
             )
         else:
             read_nodes = list(node.all_input_nodes)
@@ -224,10 +222,11 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
             acc, _ = info.accumulator_of_node(n)
             if acc is not None:
                 close(acc)
-        # 2. what this node writes: a chain whose operands it overwrites is closed first,
-        #    and an unsupported write ends the chain of its tensor
-        if node in written_by:
-            written_storages = _storages(info, _written_nodes(node))
+        # 2. what this node writes (any tensor, temporaries included): a chain that would
+        #    read it later as an operand is closed first; an unsupported write ends the
+        #    chain of its own tensor
+        if written:
+            written_storages = _storages(info, iter(written))
             for acc, chain in list(open_chains.items()):
                 if chain.operand_storages & written_storages:
                     close(acc)

@@ -287,3 +287,27 @@ def test_a_write_that_is_not_an_accumulation_warns_and_restarts_lo():
     hi, lo = collage_compile.components(p)
     assert torch.equal(lo, torch.zeros_like(lo))  # the pair stays consistent: value == hi
     assert hi.abs().max() <= 0.25
+
+
+def test_each_write_sees_its_operands_as_they_were_at_that_write():
+    """Writes to one parameter are chained and emitted together; a temporary mutated between
+    them (or the parameter read by a later write) must not leak into an earlier step."""
+
+    @torch.compile(backend=collage_compile.backend)
+    def step(p, g):
+        buf = g * 2.0
+        p.add_(buf, alpha=-1e-3)  # -2e-3 g
+        buf.mul_(0.5)
+        p.add_(buf, alpha=-1e-3)  # -1e-3 g
+        p.mul_(0.999)
+        p.add_(p, alpha=-1e-3)  # reads the pair's rounded head: p *= (1 - 1e-3)
+
+    p = _bf16_param(n=256, scale=1.0)
+    p0 = p.detach().double().clone()
+    g = torch.full((256,), 0.25, dtype=torch.bfloat16)
+    with torch.no_grad():
+        step(p, g)
+    expected = ((p0 - 3e-3 * 0.25) * 0.999) * (1 - 1e-3)
+    moved = (expected - p0).abs()
+    err = (mcf_value(p) - expected).abs()
+    assert (err <= 0.02 * moved + 2.0**-17 * p0.abs()).all()

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import collage_compile
 from collage_compile import mcf
 
 N = 16  # every hypothesis example is a tensor of N elements: one compiled graph per function
@@ -51,7 +52,9 @@ _compiled: dict[str, object] = {}
 def compiled(name: str, fn):
     """One compiled version of ``fn`` per test module (static shape N)."""
     if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=False, backend="inductor")
+        _compiled[name] = torch.compile(
+            fn, dynamic=False, backend="inductor", options=collage_compile.inductor_options()
+        )
     return _compiled[name]
 
 
@@ -98,7 +101,9 @@ def test_round_to_equals_a_cast_for_every_kind_of_fp32_input(dtype):
     x = torch.cat([x, special, ties])
     ref = x.to(dtype).float()
     assert _same_bits(mcf.round_to(x, dtype), ref)
-    fn = torch.compile(lambda v: mcf.round_to(v, dtype), dynamic=False)
+    fn = torch.compile(
+        lambda v: mcf.round_to(v, dtype), dynamic=False, options=collage_compile.inductor_options()
+    )
     assert _same_bits(fn(x), ref), "compiled round_to differs from a cast"
 
 

@@ -1,0 +1,123 @@
+"""Each accumulation spelling the pattern families claim, in a hand-written compiled update.
+
+Every case runs 200 steps on bf16 weights N(0, 0.5^2) with updates of ~2^-10 of the weights
+(below half a bf16 ulp: plain bf16 drops them), compares hi + lo with the same update stream
+accumulated in float64, and requires plain bf16 (the same function run eagerly) to be at least
+25x worse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import mcf_value, relative_error
+
+import collage_compile
+
+LR = 1e-3
+N = 512
+
+
+def _add(p, g, t):
+    p.add_(g, alpha=-LR)
+
+
+def _sub(p, g, t):
+    p.sub_(g, alpha=LR)
+
+
+def _iadd(p, g, t):
+    p += g * -LR
+
+
+def _addcdiv(p, g, t):
+    p.addcdiv_(g, torch.full_like(g, 2.0), value=-2 * LR)
+
+
+def _addcmul(p, g, t):
+    p.addcmul_(g, torch.full_like(g, 0.5), value=-2 * LR)
+
+
+def _lerp(p, g, t):
+    p.lerp_(t, 5e-4)
+
+
+def _decay_then_add(p, g, t):
+    p.mul_(1 - 1e-3)
+    p.add_(g, alpha=-LR)
+
+
+def _div_decay(p, g, t):
+    p.div_(1 + 1e-3)
+
+
+def _copy_expr(p, g, t):
+    p.copy_(p * (1 - 1e-3) - g * LR)
+
+
+def _copy_fma(p, g, t):
+    p.copy_(torch.ops.prims.fma.default(g, -LR, p))
+
+
+def _copy_via_fp32(p, g, t):
+    # the "upcast, update, cast back" spelling of a hand-written optimizer
+    p.copy_((p.float() - LR * g.float()).to(p.dtype))
+
+
+def _foreach_add(p, g, t):
+    torch._foreach_add_([p], [g], alpha=-LR)
+
+
+def _foreach_lerp(p, g, t):
+    torch._foreach_lerp_([p], [t], 5e-4)
+
+
+def _foreach_mul_add(p, g, t):
+    torch._foreach_mul_([p], 1 - 1e-3)
+    torch._foreach_addcmul_([p], [g], [torch.ones_like(g)], value=-LR)
+
+
+CASES = {
+    "add_": (_add, lambda p, g, t: p - LR * g),
+    "sub_": (_sub, lambda p, g, t: p - LR * g),
+    "+=": (_iadd, lambda p, g, t: p - LR * g),
+    "addcdiv_": (_addcdiv, lambda p, g, t: p - LR * g),
+    "addcmul_": (_addcmul, lambda p, g, t: p - LR * g),
+    "lerp_": (_lerp, lambda p, g, t: p + 5e-4 * (t - p)),
+    "mul_+add_": (_decay_then_add, lambda p, g, t: p * (1 - 1e-3) - LR * g),
+    "div_": (_div_decay, lambda p, g, t: p / (1 + 1e-3)),
+    "copy_(p*c-u)": (_copy_expr, lambda p, g, t: p * (1 - 1e-3) - LR * g),
+    "copy_(fma)": (_copy_fma, lambda p, g, t: p - LR * g),
+    "copy_(fp32 round trip)": (_copy_via_fp32, lambda p, g, t: p - LR * g),
+    "_foreach_add_": (_foreach_add, lambda p, g, t: p - LR * g),
+    "_foreach_lerp_": (_foreach_lerp, lambda p, g, t: p + 5e-4 * (t - p)),
+    "_foreach_mul_+addcmul_": (_foreach_mul_add, lambda p, g, t: p * (1 - 1e-3) - LR * g),
+}
+
+
+def _run(fn, backend, steps=200):
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(N, generator=gen) * 0.5).bfloat16())
+    target = (torch.randn(N, generator=gen) * 0.5).bfloat16()
+    start = p.detach().double().clone()
+    step = torch.compile(fn, backend=backend) if backend is not None else fn
+    grads = [(0.5 + 0.25 * torch.randn(N, generator=gen)).bfloat16() for _ in range(steps)]
+    with torch.no_grad():
+        for g in grads:
+            step(p, g, target)
+    return p, start, grads, target
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_accumulation_spelling_is_upgraded(name):
+    fn, exact = CASES[name]
+    p, start, grads, target = _run(fn, collage_compile.backend)
+    ref = start.clone()
+    for g in grads:
+        ref = exact(ref, g.double(), target.double())
+    plain, *_ = _run(fn, None)
+    err = relative_error(mcf_value(p), ref, start)
+    plain_err = relative_error(plain.detach().double(), ref, start)
+    print(f"{name}: collage {err:.2e}, plain bf16 {plain_err:.2e}")
+    assert err <= 0.02
+    assert plain_err >= 25 * err
