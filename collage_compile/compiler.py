@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,13 +113,17 @@ def compile_graph(
     report.record(rep)
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
+    upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
+    # an unsupported write to a tensor with no chain here: its lo (from other graphs) no
+    # longer matches hi, so the wrapper zeroes it after the call
+    resets = list({w.acc: None for w in unsupported if w.acc not in upgraded})
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
-        return _compat.compile_with_inductor(original, example_inputs)
+        compiled = _compat.compile_with_inductor(original, example_inputs)
+        return _LoInputs(compiled, [], resets) if resets else compiled
 
-    upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, upgraded, fake_mode)
     rewrite.emit(gm, info, chains, unsupported, config.arithmetic)
@@ -135,7 +140,7 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, upgraded)
+    return _LoInputs(compiled, upgraded, resets)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
@@ -165,37 +170,42 @@ def inductor_options() -> dict[str, Any]:
 
 
 class _LoInputs:
-    """Calls the compiled graph with the lo component of every upgraded tensor appended.
+    """Calls the compiled graph with the lo component of every upgraded tensor appended, and
+    afterwards zeroes the lo of tensors the graph overwrote without an MCF chain.
 
     get_attr tensors are fixed for the graph (Dynamo guards their identity), so their lo is
-    looked up once; tensors that arrive as inputs are looked up per call.
+    looked up once, holding no reference to the tensor itself; tensors that arrive as inputs
+    are looked up per call.
     """
 
-    def __init__(self, compiled: Callable[..., Any], accs: list[Accumulator]):
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        upgraded: list[Accumulator],
+        resets: list[Accumulator] = (),  # type: ignore[assignment]
+    ):
         self.compiled = compiled
-        self._fixed: list[Any] = []
-        self._by_input: list[tuple[int, int]] = []  # (slot, input index)
-        refs: list[Any] = []
-        for slot, acc in enumerate(accs):
-            if acc.real is not None:
-                refs.append(acc.real)
-            else:
-                refs.append(None)
-                self._by_input.append((slot, acc.input_index))
-        self._refs = refs
-        self._los: list[torch.Tensor | None] | None = None
-
-    def _resolve_fixed(self) -> list[torch.Tensor | None]:
-        los = [state.lo_for(t) if t is not None else None for t in self._refs]
-        # keep no strong reference to the parameters themselves
-        self._refs = [None] * len(self._refs)
-        return los
+        self._pending: list[Accumulator] | None = list(upgraded)
+        self._los: list[torch.Tensor | None] = []
+        self._by_input = [
+            (slot, a.input_index) for slot, a in enumerate(upgraded) if a.real is None
+        ]
+        self._reset_refs = [weakref.ref(a.real) for a in resets if a.real is not None]
+        self._reset_inputs = [a.input_index for a in resets if a.real is None]
 
     def __call__(self, *args: Any) -> Any:
-        if self._los is None:
-            self._los = self._resolve_fixed()
+        if self._pending is not None:
+            self._los = [
+                state.lo_for(a.real) if a.real is not None else None for a in self._pending
+            ]
+            self._pending = None
         los = list(self._los)
         for slot, idx in self._by_input:
             los[slot] = state.lo_for(args[idx])
         # Dynamo calls a backend's result with positional arguments (never boxed)
-        return self.compiled(*args, *los)
+        out = self.compiled(*args, *los)
+        for t in [r() for r in self._reset_refs] + [args[i] for i in self._reset_inputs]:
+            lo = state.get_lo(t) if t is not None else None
+            if lo is not None:
+                lo.zero_()
+        return out

@@ -96,21 +96,26 @@ def _eager_sgd_with_paper_grow(p0, grads, lr, momentum=0.0, nesterov=False, weig
     return hi, lo
 
 
+_SGD_VARIANTS = {
+    "plain": {},
+    "wd": {"weight_decay": 0.01},
+    "momentum": {"momentum": 0.9},
+    "nesterov_wd": {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+}
+
+
 @pytest.mark.parametrize(
-    "kw",
-    [
-        {},
-        {"weight_decay": 0.01},
-        {"momentum": 0.9},
-        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    ],
-    ids=["plain", "wd", "momentum", "nesterov_wd"],
+    ("foreach", "variant"),
+    [(False, v) for v in _SGD_VARIANTS] + [(True, "plain"), (True, "wd")],
 )
-def test_storage_arithmetic_is_bit_identical_to_eager_bf16_grow_for_sgd(kw):
+def test_storage_arithmetic_is_bit_identical_to_eager_bf16_grow_for_sgd(foreach, variant):
+    """foreach momentum is left out: eager bf16 itself gives different momentum buffers with
+    foreach=True and foreach=False, so "eager" names no single reference there."""
+    kw = _SGD_VARIANTS[variant]
     p = _bf16_param()
     p0 = p.detach().clone()
     grads = _grads(p.numel(), 30)
-    opt = torch.optim.SGD([p], lr=1e-3, foreach=False, **kw)
+    opt = torch.optim.SGD([p], lr=1e-3, foreach=foreach, **kw)
     step = torch.compile(opt.step, backend=collage_compile.make_backend(arithmetic="storage"))
     for g in grads:
         p.grad = g.clone()
@@ -121,19 +126,18 @@ def test_storage_arithmetic_is_bit_identical_to_eager_bf16_grow_for_sgd(kw):
     assert torch.equal(got_lo, lo)
 
 
-@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.01}], ids=["plain", "wd"])
-def test_storage_arithmetic_foreach_sgd_matches_the_same_eager_grow(kw):
-    p = _bf16_param()
-    p0 = p.detach().clone()
-    grads = _grads(p.numel(), 30)
-    opt = torch.optim.SGD([p], lr=1e-3, foreach=True, **kw)
-    step = torch.compile(opt.step, backend=collage_compile.make_backend(arithmetic="storage"))
-    for g in grads:
-        p.grad = g.clone()
-        step()
-    hi, lo = _eager_sgd_with_paper_grow(p0, grads, 1e-3, **kw)
-    got_hi, got_lo = collage_compile.components(p)
-    assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
+def test_eager_bf16_momentum_sgd_itself_differs_between_foreach_and_single_tensor():
+    """Why the storage bit-identity test has no foreach momentum case (README states it).  If
+    torch ever makes the two agree, this fails and that case should be added."""
+    bufs = []
+    for foreach in (False, True):
+        p = _bf16_param()
+        opt = torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=foreach)
+        for g in _grads(p.numel(), 20):
+            p.grad = g.clone()
+            opt.step()
+        bufs.append(opt.state[p]["momentum_buffer"])
+    assert not torch.equal(bufs[0], bufs[1])
 
 
 # ---- fp32 is never touched ---------------------------------------------------------------------
@@ -311,3 +315,22 @@ def test_each_write_sees_its_operands_as_they_were_at_that_write():
     moved = (expected - p0).abs()
     err = (mcf_value(p) - expected).abs()
     assert (err <= 0.02 * moved + 2.0**-17 * p0.abs()).all()
+
+
+def test_a_graph_that_only_overwrites_a_parameter_restarts_its_lo_from_other_graphs():
+    @torch.compile(backend=collage_compile.backend)
+    def update(p, g):
+        p.add_(g, alpha=-1e-3)
+
+    @torch.compile(backend=collage_compile.backend)
+    def clip(p):
+        p.clamp_(-0.25, 0.25)
+
+    p = _bf16_param()
+    with torch.no_grad():
+        for _ in range(5):
+            update(p, torch.full_like(p, 0.01))
+        assert collage_compile.components(p)[1].abs().sum() > 0
+        with pytest.warns(collage_compile.CollageWarning, match="clamp_"):
+            clip(p)
+    assert torch.equal(collage_compile.components(p)[1], torch.zeros_like(p))
