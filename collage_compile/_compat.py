@@ -115,6 +115,24 @@ def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
+def op_packet_name(op: Any) -> str:
+    """``aten.add_.Tensor`` -> ``"add_"``."""
+    return op.overloadpacket.__name__
+
+
+def is_non_overlapping_and_dense(t: Any) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (any dim order); False
+    when a symbolic shape cannot decide it.  2.13 names it ``..._or_false``; older releases
+    spelled it without the suffix."""
+    import torch._prims_common as pc
+
+    fn = (
+        getattr(pc, "is_non_overlapping_and_dense_or_false", None)
+        or pc.is_non_overlapping_and_dense
+    )
+    return bool(fn(t))
+
+
 def written_schema_args(op: Any) -> list[tuple[int, str]]:
     """(position, name) of the arguments an aten/prims op writes in place (``Tensor(a!)``)."""
     return [

@@ -27,13 +27,22 @@ from collage_compile.mcf import LOW_PRECISION
 
 # In-place methods that do not write tensor data.
 _NON_WRITING_METHODS = frozenset(
-    {"requires_grad_", "retain_grad", "share_memory_", "record_stream", "set_", "resize_"}
+    {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}
 )
+# Writes spelled as Python operators (``x += u``, ``x[i] = v``) and their dunder methods.
 _INPLACE_OPERATORS = {
     operator.iadd: "add_",
     operator.isub: "sub_",
     operator.imul: "mul_",
     operator.itruediv: "div_",
+    operator.setitem: "setitem",
+}
+_INPLACE_DUNDERS = {
+    "__iadd__": "add_",
+    "__isub__": "sub_",
+    "__imul__": "mul_",
+    "__itruediv__": "div_",
+    "__setitem__": "setitem",
 }
 
 
@@ -80,6 +89,8 @@ class Step:
     kind:
         ``"add"``: value += ``update(*args)`` (an fp32 tensor, unrounded)
         ``"mul"``: value *= ``args[0]`` (a Python float, split in float64, or a tensor)
+        ``"div"``: value /= ``args[0]`` (a tensor, or a constant whose reciprocal fp32
+        cannot hold); divided directly, never through an overflowing reciprocal
         ``"lerp"``: value += ``args[1]`` * (``args[0]`` - value)
         ``"set"``: value = ``args[0]`` (an overwrite: lo restarts at zero)
     """
@@ -98,50 +109,106 @@ class Site:
     pattern: str
 
 
-def is_foreach_inplace(target: Any) -> bool:
-    name = getattr(target, "__name__", "")
-    return name.startswith("_foreach_") and name.endswith("_") and callable(target)
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where a node's written operand sits: ``args[key]`` or ``kwargs[key]``."""
+
+    where: str  # "arg" | "kwarg"
+    key: int | str
+    op: str  # canonical in-place name: "add_", "copy_", "_foreach_addcdiv_" -> "addcdiv_", ...
+
+    def get(self, node: fx.Node) -> Any:
+        if self.where == "arg":
+            return node.args[self.key] if self.key < len(node.args) else None  # type: ignore[operator]
+        return node.kwargs.get(self.key)  # type: ignore[arg-type]
 
 
-def _written_operands(node: fx.Node) -> list[tuple[Any, str]]:
-    """(written operand, canonical op name) pairs of a node; the operand may be a list."""
+def _canonical(name: str) -> str:
+    return name[len("_foreach_") :] if name.startswith("_foreach_") else name
+
+
+def written_slots(node: fx.Node) -> list[Slot]:
+    """Every operand a node writes in place (Python method, operator, ``out=``, foreach,
+    aten overload, fused optimizer kernel)."""
     if node.op == "call_method":
         name = node.target
+        if name in _INPLACE_DUNDERS:
+            return [Slot("arg", 0, _INPLACE_DUNDERS[name])]
         if name.endswith("_") and not name.startswith("_") and name not in _NON_WRITING_METHODS:
-            return [(node.args[0], name)]
+            return [Slot("arg", 0, name)]
         return []
     if node.op != "call_function":
         return []
     target = node.target
-    out = node.kwargs.get("out")
-    written: list[tuple[Any, str]] = []
-    if out is not None:
-        written.append((out, f"{getattr(target, '__name__', target)}(out=)"))
+    name = getattr(target, "__name__", str(target))
+    slots: list[Slot] = []
+    if node.kwargs.get("out") is not None:
+        slots.append(Slot("kwarg", "out", f"{name}(out=)"))
     if target in _INPLACE_OPERATORS:
-        written.append((node.args[0], _INPLACE_OPERATORS[target]))
-    elif is_foreach_inplace(target):
-        written.append((node.args[0], target.__name__[len("_foreach_") :]))
+        slots.append(Slot("arg", 0, _INPLACE_OPERATORS[target]))
     elif _compat.is_op_overload(target):
-        for i, name in _compat.written_schema_args(target):
-            val = node.args[i] if i < len(node.args) else node.kwargs.get(name)
-            if val is not None:
-                written.append((val, target.__name__))
-    else:
-        name = getattr(target, "__name__", "")
-        if name.endswith("_") and not name.startswith("__") and node.args:
-            written.append((node.args[0], name.lstrip("_") if name.startswith("_fused") else name))
-    return written
+        op = _canonical(_compat.op_packet_name(target))
+        for i, arg_name in _compat.written_schema_args(target):
+            if i < len(node.args):
+                slots.append(Slot("arg", i, op))
+            elif arg_name in node.kwargs and arg_name != "out":
+                slots.append(Slot("kwarg", arg_name, op))
+    elif name.startswith("_fused_"):
+        # fused optimizer kernels write every tensor list they take (params, state, steps)
+        slots.extend(
+            Slot("arg", i, name) for i, a in enumerate(node.args) if isinstance(a, (list, tuple))
+        )
+    elif name in _INPLACE_DUNDERS:
+        slots.append(Slot("arg", 0, _INPLACE_DUNDERS[name]))
+    elif name.endswith("_") and not name.startswith("__") and node.args:
+        slots.append(Slot("arg", 0, _canonical(name)))
+    return slots
+
+
+def _flat_nodes(x: Any) -> Iterator[fx.Node]:
+    if isinstance(x, fx.Node):
+        yield x
+    elif isinstance(x, Element):
+        yield x.node
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat_nodes(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _flat_nodes(v)
+
+
+def written_nodes(node: fx.Node) -> list[fx.Node]:
+    return [n for slot in written_slots(node) for n in _flat_nodes(slot.get(node))]
+
+
+def read_nodes(node: fx.Node) -> list[fx.Node]:
+    """Nodes a node reads: its inputs, minus the operands it only writes (``p`` in
+    ``p.add_(u)``; but both in ``p.add_(p)``)."""
+    written = {(s.where, s.key) for s in written_slots(node)}
+    out: list[fx.Node] = []
+    for i, a in enumerate(node.args):
+        if ("arg", i) not in written:
+            out.extend(_flat_nodes(a))
+    for k, v in node.kwargs.items():
+        if ("kwarg", k) not in written:
+            out.extend(_flat_nodes(v))
+    return out
 
 
 class GraphInfo:
-    """Accumulators of one graph and every write to them, in graph order."""
+    """Accumulators of one graph, every write to them, and where each storage is written."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], config: CollageConfig):
         self.gm = gm
         self.config = config
         self.accumulators: list[Accumulator] = []
         self.writes: list[Write] = []
-        self._by_storage: dict[Any, Accumulator] = {}
+        self.positions: dict[fx.Node, int] = {n: i for i, n in enumerate(gm.graph.nodes)}
+        # several accumulators may share one storage (views of a flat buffer)
+        self._by_storage: dict[Any, list[Accumulator]] = {}
+        # positions of every in-place write, per storage, over the whole graph
+        self._write_positions: dict[Any, list[int]] = {}
         self._find_candidates(example_inputs)
         if self.accumulators:
             self._find_writes()
@@ -150,12 +217,14 @@ class GraphInfo:
     def _find_candidates(self, example_inputs: list[Any]) -> None:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         index_of = {n: i for i, n in enumerate(placeholders)}
-        candidates: list[Accumulator] = []
         for node in self.gm.graph.nodes:
             if node.op not in ("placeholder", "get_attr"):
                 continue
             ex = _compat.example_value(node)
             if not isinstance(ex, torch.Tensor) or ex.dtype not in LOW_PRECISION:
+                continue
+            key = _storage_key(ex)
+            if key is None:  # e.g. sparse: no storage to alias
                 continue
             real = None
             if node.op == "get_attr":
@@ -168,73 +237,81 @@ class GraphInfo:
             is_param = isinstance(probe, torch.nn.Parameter) or (
                 isinstance(probe, torch.Tensor) and probe.is_leaf and probe.requires_grad
             )
-            candidates.append(
-                Accumulator(
-                    node=node,
-                    example=ex,
-                    real=real,
-                    input_index=idx,
-                    role="param" if is_param else "tensor",
-                    name=_readable_name(node),
-                )
+            acc = Accumulator(
+                node=node,
+                example=ex,
+                real=real,
+                input_index=idx,
+                role="param" if is_param else "tensor",
+                name=_readable_name(node),
             )
-        for acc in candidates:
-            try:
-                self._by_storage[_compat.storage_key(acc.example)] = acc
-            except (RuntimeError, NotImplementedError):  # e.g. sparse: no storage
-                continue
+            self._by_storage.setdefault(key, []).append(acc)
             self.accumulators.append(acc)
 
-    def _accumulator_of(self, value: Any) -> tuple[Accumulator | None, bool]:
-        """(accumulator, is full alias) for a fake tensor value."""
-        if not isinstance(value, torch.Tensor) or value.is_sparse:
-            return None, False
-        try:
-            acc = self._by_storage.get(_compat.storage_key(value))
-        except (RuntimeError, NotImplementedError):
-            return None, False
-        if acc is None:
-            return None, False
-        ex = acc.example
-        full = (
-            value.shape == ex.shape
-            and value.stride() == ex.stride()
-            and value.storage_offset() == ex.storage_offset()
-            and value.dtype == ex.dtype
-        )
-        return acc, full
+    def accumulators_of(self, value: Any) -> list[tuple[Accumulator, bool]]:
+        """[(accumulator, value is exactly it)] for a (fake) tensor value.
 
-    def accumulator_of_node(self, node: Any) -> tuple[Accumulator | None, bool]:
+        A value that is exactly an accumulator (same storage, offset, sizes, strides, dtype)
+        names that one; any other view of a storage holding accumulators may touch each of
+        them, so it names them all, as partial.
+        """
+        key = _storage_key(value)
+        accs = self._by_storage.get(key, []) if key is not None else []
+        for acc in accs:
+            ex = acc.example
+            if (
+                value.shape == ex.shape
+                and value.stride() == ex.stride()
+                and value.storage_offset() == ex.storage_offset()
+                and value.dtype == ex.dtype
+            ):
+                return [(acc, True)]
+        return [(acc, False) for acc in accs]
+
+    def accumulators_of_node(self, node: Any) -> list[tuple[Accumulator, bool]]:
+        if isinstance(node, Element):
+            ex = _compat.example_value(node.node)
+            value = ex[node.index] if isinstance(ex, (list, tuple)) else None
+        elif isinstance(node, fx.Node):
+            value = _compat.example_value(node)
+        else:
+            return []
+        if not isinstance(value, torch.Tensor):
+            return []
+        return self.accumulators_of(value)
+
+    def storages_of(self, node: Any) -> set[Any]:
+        """Storage keys of a node's tensor value(s) (a list-valued node has several)."""
+        if isinstance(node, Element):
+            node = node.node
         if not isinstance(node, fx.Node):
-            return None, False
-        return self._accumulator_of(_compat.example_value(node))
+            return set()
+        ex = _compat.example_value(node)
+        vals = ex if isinstance(ex, (list, tuple)) else [ex]
+        return {k for v in vals if (k := _storage_key(v)) is not None}
+
+    def written_between(self, node: Any, start: int, end: int) -> bool:
+        """Whether any storage of ``node`` is written in place strictly between two positions."""
+        for key in self.storages_of(node):
+            if any(start < p < end for p in self._write_positions.get(key, ())):
+                return True
+        return False
 
     # -- writes -----------------------------------------------------------------------
     def _find_writes(self) -> None:
         for node in self.gm.graph.nodes:
-            for operand, op in _written_operands(node):
-                elements = _elements(operand)
-                for index, element in elements:
-                    acc, full = self.accumulator_of_node(element)
-                    if acc is None:
-                        continue
-                    args, kwargs = _element_operands(node, op, index)
-                    self.writes.append(
-                        Write(node, acc, element, index, op, args, kwargs, full_alias=full)
-                    )
-
-    def written(self) -> list[Accumulator]:
-        seen = {w.acc for w in self.writes}
-        return [a for a in self.accumulators if a in seen]
-
-    def readers(self, acc: Accumulator) -> Iterator[fx.Node]:
-        """Nodes that use ``acc`` (or an alias of it) as an input."""
-        for node in self.gm.graph.nodes:
-            for inp in node.all_input_nodes:
-                a, _ = self.accumulator_of_node(inp)
-                if a is acc:
-                    yield node
-                    break
+            slots = written_slots(node)
+            for slot in slots:
+                operand = slot.get(node)
+                for n in _flat_nodes(operand):
+                    for key in self.storages_of(n):
+                        self._write_positions.setdefault(key, []).append(self.positions[node])
+                for index, element in _elements(operand):
+                    for acc, full in self.accumulators_of_node(element):
+                        args, kwargs = _element_operands(node, slot, index)
+                        self.writes.append(
+                            Write(node, acc, element, index, slot.op, args, kwargs, full_alias=full)
+                        )
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -254,9 +331,20 @@ def _readable_name(node: fx.Node) -> str:
     return str(node.target)
 
 
+def _storage_key(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.is_sparse:
+        return None
+    try:
+        return _compat.storage_key(value)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _elements(operand: Any) -> list[tuple[int | None, Any]]:
     if isinstance(operand, (list, tuple)):
         return list(enumerate(operand))
+    if isinstance(operand, fx.Node) and isinstance(_compat.example_value(operand), (list, tuple)):
+        return [(i, Element(operand, i)) for i in range(len(_compat.example_value(operand)))]
     return [(None, operand)]
 
 
@@ -291,9 +379,16 @@ def element_of(arg: Any, index: int | None, per_element_tensor: bool = False) ->
 
 
 def _element_operands(
-    node: fx.Node, op: str, index: int | None
+    node: fx.Node, slot: Slot, index: int | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    per_elem = op in _PER_ELEMENT_SCALAR_TENSOR
-    args = tuple(element_of(a, index, per_elem) for a in node.args[1:])
-    kwargs = {k: element_of(v, index, per_elem) for k, v in node.kwargs.items() if k != "out"}
+    """The operands of a write other than the written tensor, for list element ``index``."""
+    per_elem = slot.op in _PER_ELEMENT_SCALAR_TENSOR
+    if slot.where == "arg":
+        rest = [a for i, a in enumerate(node.args) if i != slot.key]
+        kwargs = {k: v for k, v in node.kwargs.items()}
+    else:
+        rest = list(node.args)
+        kwargs = {k: v for k, v in node.kwargs.items() if k != slot.key}
+    args = tuple(element_of(a, index, per_elem) for a in rest)
+    kwargs = {k: element_of(v, index, per_elem) for k, v in kwargs.items()}
     return args, kwargs

@@ -173,9 +173,10 @@ class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended, and
     afterwards zeroes the lo of tensors the graph overwrote without an MCF chain.
 
-    get_attr tensors are fixed for the graph (Dynamo guards their identity), so their lo is
-    looked up once, holding no reference to the tensor itself; tensors that arrive as inputs
-    are looked up per call.
+    get_attr tensors are fixed for the graph (Dynamo guards their identity and metadata), so
+    their lo is remembered, holding only a weak reference to the tensor; each call checks
+    that the registry still holds that lo (another graph may have replaced it after the
+    tensor changed dtype and back).  Tensors that arrive as inputs are looked up per call.
     """
 
     def __init__(
@@ -185,25 +186,39 @@ class _LoInputs:
         resets: list[Accumulator] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
-        self._pending: list[Accumulator] | None = list(upgraded)
-        self._los: list[torch.Tensor | None] = []
+        self._attrs = [
+            (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
+            for slot, a in enumerate(upgraded)
+            if a.real is not None
+        ]
         self._by_input = [
             (slot, a.input_index) for slot, a in enumerate(upgraded) if a.real is None
         ]
+        self._los: list[torch.Tensor | None] = [None] * len(upgraded)
         self._reset_refs = [weakref.ref(a.real) for a in resets if a.real is not None]
         self._reset_inputs = [a.input_index for a in resets if a.real is None]
 
     def __call__(self, *args: Any) -> Any:
-        if self._pending is not None:
-            self._los = [
-                state.lo_for(a.real) if a.real is not None else None for a in self._pending
-            ]
-            self._pending = None
-        los = list(self._los)
+        los = self._los
+        for slot, ref, acc, dtype, shape in self._attrs:
+            t = ref()
+            if t is None:
+                raise RuntimeError(f"collage: {acc.name} of a compiled graph was freed")
+            if t.dtype != dtype or t.shape != shape:
+                raise RuntimeError(
+                    f"collage: {acc.describe()} is now {str(t.dtype).replace('torch.', '')} "
+                    f"{tuple(t.shape)}: it changed (module.half(), param.data = ...) after this "
+                    "graph was compiled, and torch.compile does not re-check an optimizer's "
+                    "parameters (plain Inductor computes on the wrong dtype too).  Call "
+                    "torch._dynamo.reset() or compile the step again after the change."
+                )
+            if los[slot] is None or state.get_lo(t) is not los[slot]:
+                los[slot] = state.lo_for(t)
+        call_los = list(los)
         for slot, idx in self._by_input:
-            los[slot] = state.lo_for(args[idx])
+            call_los[slot] = state.lo_for(args[idx])
         # Dynamo calls a backend's result with positional arguments (never boxed)
-        out = self.compiled(*args, *los)
+        out = self.compiled(*args, *call_los)
         for t in [r() for r in self._reset_refs] + [args[i] for i in self._reset_inputs]:
             lo = state.get_lo(t) if t is not None else None
             if lo is not None:

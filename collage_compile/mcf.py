@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "LOW_PRECISION",
     "dw_add",
+    "dw_div",
     "dw_from_pair",
     "dw_mul",
     "dw_to_pair",
@@ -50,6 +51,7 @@ __all__ = [
     "split",
     "split_constant",
     "storage_add",
+    "storage_div",
     "storage_mul",
     "two_prod",
     "two_sum",
@@ -193,6 +195,14 @@ def dw_mul(s: Any, e: Any, c_hi: Any, c_lo: Any = 0.0) -> tuple[Any, Any]:
     return p, t + (s * c_lo + e * c_hi)
 
 
+def dw_div(s: Any, e: Any, d: Any) -> tuple[Any, Any]:
+    """(s, e) / d for an fp32 divisor: q = fl(s/d), the remainder s - q*d exactly (TwoProd),
+    and its quotient as the error word.  No reciprocal, so a tiny d cannot overflow early."""
+    q = s / d
+    p, t = two_prod(q, d)
+    return q, (((s - p) - t) + e) / d
+
+
 def dw_to_pair(s: Any, e: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     """Round a double-word into a storage pair: hi to nearest, lo the rounded remainder.
 
@@ -240,6 +250,19 @@ def storage_mul(a: Any, r: Any, c_hi: Any, c_lo: Any, dtype: torch.dtype) -> tup
     r2 = round_to(r - round_to(a2 - p, dtype), dtype)
     finite = p.abs() < _INF
     return torch.where(finite, a2, p), torch.where(finite, r2, 0.0)
+
+
+def storage_div(a: Any, r: Any, d: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(a, r) / d in ``dtype``: q = rnd(a/d), the remainder ``a - q*d`` in fp32 (exact when
+    d is a storage value: two short significands), its quotient added to r.  The paper has no
+    division; dividing directly keeps a tiny divisor from overflowing a reciprocal."""
+    q = round_to(a / d, dtype)
+    r = round_to(r / d, dtype)
+    r = round_to(r + round_to((a - q * d) / d, dtype), dtype)
+    a2 = round_to(q + r, dtype)
+    r2 = round_to(r - round_to(a2 - q, dtype), dtype)
+    finite = q.abs() < _INF
+    return torch.where(finite, a2, q), torch.where(finite, r2, 0.0)
 
 
 # --------------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ from collage_compile.accumulators import (
     Site,
     Step,
     Write,
+    _flat_nodes,
+    read_nodes,
+    written_nodes,
+    written_slots,
 )
 
 # ---- the chain arithmetic, a plain torch function (eager or traced) ---------------------
@@ -56,6 +60,8 @@ def mcf_chain(
             elif kind == "mul":
                 c_hi, c_lo = _factor_fp32(args, fn)
                 s, e = mcf.dw_mul(s, e, c_hi, c_lo)
+            elif kind == "div":
+                s, e = mcf.dw_div(s, e, _f32(args[0]))
             elif kind == "lerp":
                 end, weight = args
                 s, e = mcf.dw_add(s, e, ((_f32(end) - s) - e) * _f32(weight))
@@ -72,6 +78,8 @@ def mcf_chain(
             elif kind == "mul":
                 c_hi, c_lo = _factor_storage(args, fn, dtype)
                 a, r = mcf.storage_mul(a, r, c_hi, c_lo, dtype)
+            elif kind == "div":
+                a, r = mcf.storage_div(a, r, _f32(args[0]), dtype)
             elif kind == "lerp":
                 end, weight = args
                 a, r = mcf.storage_add(a, r, ((_f32(end) - a) - r) * _f32(weight), dtype)
@@ -130,7 +138,12 @@ class MatchContext:
 
     def unclaimed(self) -> Iterator[Write]:
         for w in self.info.writes:
-            if w.acc.eligible and w not in self.sites and w.full_alias:
+            if (
+                w.acc.eligible
+                and w not in self.sites
+                and w.full_alias
+                and isinstance(w.target, fx.Node)  # not an element of a list-valued node
+            ):
                 yield w
 
     def claim(self, write: Write, steps: list[Step], pattern: str) -> None:
@@ -164,33 +177,6 @@ class _Emitter:
         return x
 
 
-def _flat_nodes(x: Any) -> Iterator[fx.Node]:
-    if isinstance(x, fx.Node):
-        yield x
-    elif isinstance(x, Element):
-        yield x.node
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _flat_nodes(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _flat_nodes(v)
-
-
-def _storages(info: GraphInfo, nodes: Iterator[fx.Node]) -> set[Any]:
-    out = set()
-    for n in nodes:
-        ex = _compat.example_value(n)
-        vals = ex if isinstance(ex, (list, tuple)) else [ex]
-        for v in vals:
-            if isinstance(v, torch.Tensor) and not v.is_sparse:
-                try:
-                    out.add(_compat.storage_key(v))
-                except (RuntimeError, NotImplementedError):
-                    pass
-    return out
-
-
 def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Write]) -> list[Chain]:
     """Group sites into chains (see module docstring)."""
     sites_at: dict[fx.Node, list[Site]] = {}
@@ -209,24 +195,17 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
 
     for node in info.gm.graph.nodes:
         here = sites_at.get(node, [])
-        written = list(_written_nodes(node))
-        # 1. what this node reads: a chain is closed before a reader of its tensor (the
-        #    tensors a node writes in place are not reads of it)
-        if written:
-            read_nodes = list(_flat_nodes(list(node.args[1:]))) + list(
-                _flat_nodes({k: v for k, v in node.kwargs.items() if k != "out"})
-            )
-        else:
-            read_nodes = list(node.all_input_nodes)
-        for n in read_nodes:
-            acc, _ = info.accumulator_of_node(n)
-            if acc is not None:
+        written = written_nodes(node)
+        # 1. what this node reads: a chain is closed before a reader of its tensor (or of any
+        #    view of its storage); the operands a node only writes are not reads
+        for n in read_nodes(node):
+            for acc, _ in info.accumulators_of_node(n):
                 close(acc)
         # 2. what this node writes (any tensor, temporaries included): a chain that would
         #    read it later as an operand is closed first; an unsupported write ends the
         #    chain of its own tensor
         if written:
-            written_storages = _storages(info, iter(written))
+            written_storages = set().union(*(info.storages_of(n) for n in written))
             for acc, chain in list(open_chains.items()):
                 if chain.operand_storages & written_storages:
                     close(acc)
@@ -239,17 +218,11 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
             if chain is None:
                 chain = open_chains[acc] = Chain(acc, [], set())
             chain.sites.append(site)
-            chain.operand_storages |= _storages(info, _flat_nodes([s.args for s in site.steps]))
+            for n in _flat_nodes([s.args for s in site.steps]):
+                chain.operand_storages |= info.storages_of(n)
     for acc in list(open_chains):
         close(acc)
     return chains
-
-
-def _written_nodes(node: fx.Node) -> Iterator[fx.Node]:
-    from collage_compile.accumulators import _written_operands
-
-    for operand, _ in _written_operands(node):
-        yield from _flat_nodes(operand)
 
 
 def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -> None:
@@ -267,9 +240,14 @@ def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -
         # Dynamo's example values live in its tracing fake mode; AOTAutograd fakeifies the
         # backend's inputs in the tracing context's own mode (a different one on 2.13), so the
         # new input's example is made there, with the accumulator's (possibly symbolic) sizes.
+        # Its layout follows state.lo_layout: the tensor's strides where it is dense,
+        # contiguous otherwise.
         ex = acc.example
         with fake_mode:
-            fake = torch.empty_strided(ex.size(), ex.stride(), dtype=ex.dtype, device=ex.device)
+            if _compat.is_non_overlapping_and_dense(ex):
+                fake = torch.empty_strided(ex.size(), ex.stride(), dtype=ex.dtype, device=ex.device)
+            else:
+                fake = torch.empty(ex.size(), dtype=ex.dtype, device=ex.device)
         _compat.set_example_value(node, fake)
         node.meta["val"] = fake
         acc.lo_node = node
@@ -357,15 +335,13 @@ def _subset(arg: Any, keep: list[int], graph: fx.Graph, per_element_tensor: bool
 def _prune(graph: fx.Graph, candidates: set[fx.Node]) -> None:
     """Remove the nodes that only fed a replaced write (e.g. a rewritten copy_'s source
     expression), if they are pure and now unused."""
-    from collage_compile.accumulators import _written_operands
-
     alive = set(graph.nodes)
     work = [n for n in candidates if n in alive]
     while work:
         node = work.pop()
         if node not in alive or node.users or node.op not in ("call_function", "call_method"):
             continue
-        if _written_operands(node) or (node.op == "call_function" and node.is_impure()):
+        if written_slots(node) or (node.op == "call_function" and node.is_impure()):
             continue
         inputs = node.all_input_nodes
         graph.erase_node(node)

@@ -9,13 +9,15 @@ its finalizer, so a lookup is one dict access plus an identity check.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
 
+from collage_compile import _compat
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["clear", "components", "get_lo", "lo_for", "value"]
+__all__ = ["clear", "components", "get_lo", "lo_for", "lo_layout", "value"]
 
 _lock = threading.Lock()
 # id(tensor) -> (weakref to tensor, lo)
@@ -37,22 +39,68 @@ def get_lo(t: torch.Tensor) -> torch.Tensor | None:
     return entry[1]
 
 
+def lo_layout(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a tensor's lo: the tensor's own where it is dense (a transposed weight's lo
+    is transposed too, so the fused kernel walks both alike), contiguous otherwise (a strided
+    view of a larger buffer: lo holds only the elements of the view)."""
+    if _compat.is_non_overlapping_and_dense(t):
+        return tuple(t.stride())
+    return _contiguous_strides(tuple(t.shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def _fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
+    return (
+        lo.dtype == t.dtype
+        and lo.shape == t.shape
+        and lo.device == t.device
+        and tuple(lo.stride()) == lo_layout(t)
+    )
+
+
 def lo_for(t: torch.Tensor) -> torch.Tensor:
-    """The lo component of ``t``, allocated as zeros (same dtype, device and layout) on first use."""
+    """The lo component of ``t``, allocated as zeros on first use.
+
+    A lo that no longer fits its tensor (``module.half()`` or ``param.data = ...`` changed
+    the dtype, shape, device or layout under it) describes a value that is gone: it is
+    replaced by zeros, with a one-time warning naming the tensor's shape.
+    """
     lo = get_lo(t)
-    if lo is not None:
+    if lo is not None and _fits(lo, t):
         return lo
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
     with _lock:
         lo = get_lo(t)
-        if lo is None:
+        if lo is None or not _fits(lo, t):
+            if lo is not None:
+                _warn_refit(lo, t)
             with torch.no_grad():
-                lo = torch.zeros_like(t.detach(), memory_format=torch.preserve_format)
+                lo = torch.empty_strided(t.shape, lo_layout(t), dtype=t.dtype, device=t.device)
+                lo.zero_()
             key = id(t)
             ref = weakref.ref(t, lambda r, key=key: _drop(key, r))
             _entries[key] = (ref, lo)
     return lo
+
+
+def _warn_refit(lo: torch.Tensor, t: torch.Tensor) -> None:
+    from collage_compile.report import CollageWarning
+
+    warnings.warn(
+        f"collage: tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} changed under "
+        f"its lo ({tuple(lo.shape)} {str(lo.dtype).replace('torch.', '')}, strides "
+        f"{tuple(lo.stride())}); its lo restarts from zero",
+        CollageWarning,
+        stacklevel=3,
+    )
 
 
 def components(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

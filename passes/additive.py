@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from collage_compile.passes._common import bind, f32, scale
-
 from collage_compile.accumulators import GraphInfo, Step
+from collage_compile.passes._common import bind, f32, scale
 
 
 def add_(other: Any, alpha: Any = 1) -> Any:

@@ -25,13 +25,16 @@ would.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
-from collage_compile.passes._common import bind, f32, is_number, scale
 
+from collage_compile import _compat
 from collage_compile.accumulators import Accumulator, GraphInfo, Step
+from collage_compile.passes._common import bind, f32, scale
+from collage_compile.passes.decay import divisor_step
 
 
 class _Unsupported(Exception):
@@ -48,7 +51,6 @@ def fill_(value: Any) -> None:
 
 def match(info: GraphInfo, ctx: Any) -> int:
     n = 0
-    positions = {node: i for i, node in enumerate(info.gm.graph.nodes)}
     for write in ctx.unclaimed():
         if not write.full_alias:
             continue
@@ -64,7 +66,7 @@ def match(info: GraphInfo, ctx: Any) -> int:
             args = bind(copy_, write.args, write.kwargs)
             if args is None:
                 continue
-            walker = _Walker(info, write.acc, positions, positions[write.node])
+            walker = _Walker(info, write.acc, info.positions[write.node])
             try:
                 steps = walker.steps(args[0])
             except _Unsupported:
@@ -121,10 +123,6 @@ _FMA = _fma_targets()
 _CONVERT = _convert_targets()
 
 
-def _key(node: fx.Node) -> Any:
-    return node.target
-
-
 def _add_sig(input: Any, other: Any, alpha: Any = 1) -> None: ...
 def _mul_sig(input: Any, other: Any) -> None: ...
 def _div_sig(input: Any, other: Any, rounding_mode: Any = None) -> None: ...
@@ -151,12 +149,18 @@ def _addcmul_update(a: Any, b: Any, value: Any = 1) -> Any:
 
 
 class _Walker:
-    """Walks a copy_ source back to the accumulator's current value."""
+    """Walks a copy_ source back to the accumulator's current value.
 
-    def __init__(self, info: GraphInfo, acc: Accumulator, positions: dict[fx.Node, int], at: int):
+    The emitted chain applies the steps to the tensor's value *at the copy_* and reads the
+    other operands then, so the walk is refused unless that is what the source computed:
+    the tensor is not written between the node reading it and the copy_, a node on the path
+    is not written between its definition and its reader (``t = 2*p; t.add_(g)``), and an
+    operand is not written between its reader and the copy_ (``s = p + g; g.zero_()``).
+    """
+
+    def __init__(self, info: GraphInfo, acc: Accumulator, at: int):
         self.info = info
         self.acc = acc
-        self.positions = positions
         self.at = at
         self.ops: list[str] = []
         self._memo: dict[fx.Node, bool] = {}
@@ -165,131 +169,148 @@ class _Walker:
         return "->".join(self.ops) or "identity"
 
     def depends(self, x: Any) -> bool:
+        """Whether ``x`` reads the tensor (through any view of its storage)."""
         if not isinstance(x, fx.Node):
             if isinstance(x, (list, tuple)):
                 return any(self.depends(v) for v in x)
             return False
-        if x in self._memo:
-            return self._memo[x]
-        acc, _ = self.info.accumulator_of_node(x)
-        result = acc is self.acc or any(self.depends(i) for i in x.all_input_nodes)
-        self._memo[x] = result
-        return result
+        if x not in self._memo:
+            self._memo[x] = any(a is self.acc for a, _ in self.info.accumulators_of_node(x)) or any(
+                self.depends(i) for i in x.all_input_nodes
+            )
+        return self._memo[x]
 
     def steps(self, expr: Any) -> list[Step] | None:
         """Steps taking the current value to ``expr``; None if ``expr`` does not read it."""
         if not self.depends(expr):
             return None
-        return self._walk(expr)
+        return self._walk(expr, self.at)
 
-    def _leaf(self, node: fx.Node) -> list[Step]:
-        # The read must see the *current* value: no write to the tensor between it and copy_.
-        start = self.positions[node]
-        for w in self.info.writes:
-            if w.acc is self.acc and start < self.positions[w.node] < self.at:
+    def _operand(self, x: Any, reader: int) -> None:
+        for n in _flat(x):
+            if self.info.written_between(n, reader, self.at):
                 raise _Unsupported
-        return []
 
-    def _walk(self, node: Any) -> list[Step]:
+    def _walk(self, node: Any, reader: int) -> list[Step]:
+        """Steps for ``node`` as read at position ``reader``."""
         if not isinstance(node, fx.Node):
             raise _Unsupported
-        acc, full = self.info.accumulator_of_node(node)
-        if acc is self.acc:
-            if not full:
-                raise _Unsupported
-            return self._leaf(node)
-        key = _key(node)
+        accs = self.info.accumulators_of_node(node)
+        if any(a is self.acc for a, _ in accs):
+            if accs != [(self.acc, True)] or self.info.written_between(node, reader, self.at):
+                raise _Unsupported  # a view of it, or a value older than the copy_'s
+            return []
+        here = self.info.positions[node]
+        if accs or self.info.written_between(node, here, reader):
+            raise _Unsupported  # another persistent tensor, or a temporary changed in place
+        for label, path, steps, operands in self._rules(node):
+            if not self.depends(path):
+                continue
+            mark = len(self.ops)
+            try:
+                inner = self._walk(path, here)
+                self._operand(operands, here)
+            except _Unsupported:
+                del self.ops[mark:]
+                continue
+            if label:
+                self.ops.append(label)
+            return [*inner, *steps]
+        raise _Unsupported
+
+    def _rules(self, node: fx.Node) -> Iterator[tuple[str, Any, list[Step], tuple[Any, ...]]]:
+        """(label, path operand, steps applied after it, other operands) for each way
+        ``node`` can be read as an affine function of one of its operands."""
+        key = node.target
         args, kwargs = node.args, node.kwargs
-        transparent = (node.op == "call_method" and key in _TRANSPARENT_METHODS) or (
-            node.op == "call_function" and (key in _CONVERT or key in _TRANSPARENT_FUNCTIONS)
-        )
-        if transparent:
-            if key == "to" and any(isinstance(a, fx.Node) for a in args[1:]):
-                raise _Unsupported  # .to(other_tensor): could be a device move of a view
-            return self._walk(args[0])
+        if self._transparent(node):
+            yield "", args[0], [], tuple(args[1:]) + tuple(kwargs.values())
+            return
         if key in _ADD or key in _SUB:
             b = bind(_add_sig, args, kwargs)
             if b is None:
-                raise _Unsupported
+                return
             x, y, alpha = b
-            sign = 1.0 if key in _ADD else -1.0
-            if self.depends(x) and not self.depends(y):
-                self.ops.append("add")
-                return [*self._walk(x), Step("add", (y, _signed(alpha, sign)), _scaled)]
-            if self.depends(y) and not self.depends(x):
-                self.ops.append("add")
-                return [
-                    *self._walk(y),
-                    Step("mul", (_signed(alpha, sign),)),
-                    Step("add", (x, 1), _scaled),
-                ]
-            raise _Unsupported
+            a = alpha if key in _ADD else _negated(alpha)
+            yield "add", x, [Step("add", (y, a), _scaled)], (y, alpha)
+            yield "add", y, [Step("mul", (a,)), Step("add", (x, 1), _scaled)], (x, alpha)
+            return
         if key in _MUL:
             b = bind(_mul_sig, args, kwargs)
             if b is None:
-                raise _Unsupported
+                return
             x, y = b
-            if self.depends(y) and not self.depends(x):
-                x, y = y, x
-            if self.depends(y):
-                raise _Unsupported
-            self.ops.append("mul")
-            return [*self._walk(x), Step("mul", (y,))]
+            yield "mul", x, [Step("mul", (y,))], (y,)
+            yield "mul", y, [Step("mul", (x,))], (x,)
+            return
         if key in _DIV:
             b = bind(_div_sig, args, kwargs)
-            if b is None or b[2] is not None or self.depends(b[1]):
-                raise _Unsupported
+            if b is None or b[2] is not None:
+                return
             x, y, _ = b
-            self.ops.append("div")
-            if is_number(y):
-                if y == 0:
-                    raise _Unsupported
-                return [*self._walk(x), Step("mul", (1.0 / float(y),))]
-            return [*self._walk(x), Step("mul", (y,), _reciprocal)]
+            step = divisor_step(y)
+            if step is not None:
+                yield "div", x, [step], (y,)
+            return
         if key in _NEG:
             b = bind(_neg_sig, args, kwargs)
-            if b is None:
-                raise _Unsupported
-            self.ops.append("neg")
-            return [*self._walk(b[0]), Step("mul", (-1.0,))]
+            if b is not None:
+                yield "neg", b[0], [Step("mul", (-1.0,))], ()
+            return
         if key in _FMA:
             b = bind(_fma_sig, args, kwargs)
             if b is None:
-                raise _Unsupported
+                return
             a, m, c = b
-            self.ops.append("fma")
-            if self.depends(c) and not self.depends(a) and not self.depends(m):
-                return [*self._walk(c), Step("add", (a, m), _product)]
-            if self.depends(a) and not self.depends(m) and not self.depends(c):
-                return [*self._walk(a), Step("mul", (m,)), Step("add", (c, 1), _scaled)]
-            raise _Unsupported
+            yield "fma", c, [Step("add", (a, m), _product)], (a, m)
+            yield "fma", a, [Step("mul", (m,)), Step("add", (c, 1), _scaled)], (m, c)
+            yield "fma", m, [Step("mul", (a,)), Step("add", (c, 1), _scaled)], (a, c)
+            return
         if key in _ADDCDIV or key in _ADDCMUL:
             b = bind(_addc_sig, args, kwargs)
             if b is None:
-                raise _Unsupported
+                return
             x, t1, t2, value = b
-            if self.depends(t1) or self.depends(t2):
-                raise _Unsupported
-            self.ops.append("addcdiv" if key in _ADDCDIV else "addcmul")
             fn = _quotient if key in _ADDCDIV else _addcmul_update
-            return [*self._walk(x), Step("add", (t1, t2, value), fn)]
+            label = "addcdiv" if key in _ADDCDIV else "addcmul"
+            yield label, x, [Step("add", (t1, t2, value), fn)], (t1, t2, value)
+            return
         if key in _LERP:
             b = bind(_lerp_sig, args, kwargs)
             if b is None:
-                raise _Unsupported
+                return
             x, end, weight = b
-            if self.depends(end) or self.depends(weight):
-                raise _Unsupported
-            self.ops.append("lerp")
-            return [*self._walk(x), Step("lerp", (end, weight))]
-        raise _Unsupported
+            yield "lerp", x, [Step("lerp", (end, weight))], (end, weight)
+
+    def _transparent(self, node: fx.Node) -> bool:
+        """A dtype conversion (or copy) that changes no value on the path: the result is
+        fp32/fp64 or the tensor's own dtype, on the tensor's device."""
+        key = node.target
+        if not (
+            (node.op == "call_method" and key in _TRANSPARENT_METHODS)
+            or (node.op == "call_function" and (key in _CONVERT or key in _TRANSPARENT_FUNCTIONS))
+        ):
+            return False
+        if key in ("to", "type_as") and any(isinstance(a, fx.Node) for a in node.args[1:]):
+            return False  # .to(other): a dtype/device read off another tensor
+        ex = _compat.example_value(node)
+        return (
+            isinstance(ex, torch.Tensor)
+            and ex.dtype in (torch.float32, torch.float64, self.acc.dtype)
+            and ex.device == self.acc.example.device
+        )
 
 
-def _signed(alpha: Any, sign: float) -> Any:
-    if sign == 1.0:
-        return alpha
+def _flat(x: Any) -> Iterator[fx.Node]:
+    if isinstance(x, fx.Node):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _flat(v)
+
+
+def _negated(alpha: Any) -> Any:
     return -alpha
-
-
-def _reciprocal(other: Any) -> Any:
-    return torch.reciprocal(f32(other))

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from collage_compile.passes._common import bind, f32, is_number
-
 from collage_compile.accumulators import GraphInfo, Step
+from collage_compile.passes._common import bind, is_number
 
 
 def mul_(other: Any) -> None:
@@ -34,10 +32,15 @@ def div_(other: Any, rounding_mode: Any = None) -> None:
     """Signature of ``Tensor.div_``."""
 
 
-def reciprocal(other: Any) -> Any:
-    """Factor of a division by a tensor: 1/x rounded once in fp32 (relative error 2^-24,
-    far below what a bf16 pair resolves)."""
-    return torch.reciprocal(f32(other))
+def divisor_step(other: Any) -> Step | None:
+    """A division as a step: by a constant, the float64 reciprocal where fp32 holds it (a
+    multiplication, split again in the chain); otherwise a true division by ``other``."""
+    if is_number(other):
+        if other == 0:
+            return None
+        inv = 1.0 / float(other)
+        return Step("mul", (inv,)) if abs(inv) < 3.0e38 else Step("div", (float(other),))
+    return Step("div", (other,))
 
 
 def match(info: GraphInfo, ctx: Any) -> int:
@@ -60,9 +63,5 @@ def _step(write: Any) -> Step | None:
         args = bind(div_, write.args, write.kwargs)
         if args is None or args[1] is not None:  # floor/trunc division: not a decay
             return None
-        other = args[0]
-        if is_number(other):
-            # 1/c in float64 on the host; the chain splits it into an fp32 (or storage) pair
-            return Step("mul", (1.0 / float(other),)) if other != 0 else None
-        return Step("mul", (other,), reciprocal)
+        return divisor_step(args[0])
     return None

@@ -56,9 +56,19 @@ def _eager_alpha(alpha: float, dtype: torch.dtype, device: torch.device) -> floa
 def _spelled_out(
     a: Any, b: Any, alpha: float, sign: float, dtype: torch.dtype, device: torch.device
 ) -> Any:
-    af = a.float() if isinstance(a, fx.Proxy) else float(a)
-    bf = b.float() if isinstance(b, fx.Proxy) else float(b)
+    af, bf = _operand(a, dtype), _operand(b, dtype)
     return (af + bf * (sign * _eager_alpha(alpha, dtype, device))).to(dtype)
+
+
+def _operand(x: Any, dtype: torch.dtype) -> Any:
+    """An operand as eager sees it: a tensor of another dtype (a 0-dim fp32 tensor added to
+    bf16) is first cast to the result dtype, then computed on in fp32."""
+    if not isinstance(x, fx.Proxy):
+        return float(x)
+    ex = _compat.example_value(x.node)
+    if isinstance(ex, torch.Tensor) and ex.dtype != dtype:
+        x = x.to(dtype)
+    return x.float()
 
 
 def _device(node: Any) -> torch.device:

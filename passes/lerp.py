@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from collage_compile.passes._common import bind
-
 from collage_compile.accumulators import GraphInfo, Step
+from collage_compile.passes._common import bind
 
 
 def lerp_(end: Any, weight: Any) -> None:

@@ -8,6 +8,8 @@ accumulated in float64, and requires plain bf16 (the same function run eagerly) 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import mcf_value, relative_error
@@ -64,6 +66,33 @@ def _copy_via_fp32(p, g, t):
     p.copy_((p.float() - LR * g.float()).to(p.dtype))
 
 
+def _copy_wd_reads_p(p, g, t):
+    # both sides of the sum read p: the walk takes p as the path, p*1e-3 as an operand
+    p.copy_(p - LR * (g + 1e-3 * p))
+
+
+def _mul_then_copy(p, g, t):
+    # ASGD(foreach=False): the copy_'s source reads p after the decay wrote it
+    p.mul_(1 - 1e-3)
+    p.copy_(torch.ops.prims.fma.default(g, -LR, p))
+
+
+def _div_tensor(p, g, t):
+    p.div_(torch.full(g.shape, 1 + 1e-3))  # an fp32 divisor: bf16 would round it to 1
+
+
+def _aten_add(p, g, t):
+    torch.ops.aten.add_.Tensor(p, g, alpha=-LR)
+
+
+def _aten_foreach_add(p, g, t):
+    torch.ops.aten._foreach_add_.List([p], [g], alpha=-LR)
+
+
+def _data_add(p, g, t):
+    p.data.add_(g, alpha=-LR)
+
+
 def _foreach_add(p, g, t):
     torch._foreach_add_([p], [g], alpha=-LR)
 
@@ -89,6 +118,12 @@ CASES = {
     "copy_(p*c-u)": (_copy_expr, lambda p, g, t: p * (1 - 1e-3) - LR * g),
     "copy_(fma)": (_copy_fma, lambda p, g, t: p - LR * g),
     "copy_(fp32 round trip)": (_copy_via_fp32, lambda p, g, t: p - LR * g),
+    "copy_(p - lr*(g + wd*p))": (_copy_wd_reads_p, lambda p, g, t: p - LR * (g + 1e-3 * p)),
+    "mul_+copy_(fma)": (_mul_then_copy, lambda p, g, t: p * (1 - 1e-3) - LR * g),
+    "div_(tensor)": (_div_tensor, lambda p, g, t: p / (1 + 1e-3)),
+    "aten.add_.Tensor": (_aten_add, lambda p, g, t: p - LR * g),
+    "aten._foreach_add_.List": (_aten_foreach_add, lambda p, g, t: p - LR * g),
+    "p.data.add_": (_data_add, lambda p, g, t: p - LR * g),
     "_foreach_add_": (_foreach_add, lambda p, g, t: p - LR * g),
     "_foreach_lerp_": (_foreach_lerp, lambda p, g, t: p + 5e-4 * (t - p)),
     "_foreach_mul_+addcmul_": (_foreach_mul_add, lambda p, g, t: p * (1 - 1e-3) - LR * g),
@@ -102,7 +137,9 @@ def _run(fn, backend, steps=200):
     start = p.detach().double().clone()
     step = torch.compile(fn, backend=backend) if backend is not None else fn
     grads = [(0.5 + 0.25 * torch.randn(N, generator=gen)).bfloat16() for _ in range(steps)]
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # every spelling is upgraded: none may be reported as "not upgraded"
+        warnings.simplefilter("error", collage_compile.CollageWarning)
         for g in grads:
             step(p, g, target)
     return p, start, grads, target
