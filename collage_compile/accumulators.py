@@ -165,21 +165,21 @@ def written_slots(node: fx.Node) -> list[Slot]:
     return slots
 
 
-def _flat_nodes(x: Any) -> Iterator[fx.Node]:
+def flat_nodes(x: Any) -> Iterator[fx.Node]:
     if isinstance(x, fx.Node):
         yield x
     elif isinstance(x, Element):
         yield x.node
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from _flat_nodes(v)
+            yield from flat_nodes(v)
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _flat_nodes(v)
+            yield from flat_nodes(v)
 
 
 def written_nodes(node: fx.Node) -> list[fx.Node]:
-    return [n for slot in written_slots(node) for n in _flat_nodes(slot.get(node))]
+    return [n for slot in written_slots(node) for n in flat_nodes(slot.get(node))]
 
 
 def read_nodes(node: fx.Node) -> list[fx.Node]:
@@ -189,10 +189,10 @@ def read_nodes(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     for i, a in enumerate(node.args):
         if ("arg", i) not in written:
-            out.extend(_flat_nodes(a))
+            out.extend(flat_nodes(a))
     for k, v in node.kwargs.items():
         if ("kwarg", k) not in written:
-            out.extend(_flat_nodes(v))
+            out.extend(flat_nodes(v))
     return out
 
 
@@ -303,7 +303,7 @@ class GraphInfo:
             slots = written_slots(node)
             for slot in slots:
                 operand = slot.get(node)
-                for n in _flat_nodes(operand):
+                for n in flat_nodes(operand):
                     for key in self.storages_of(n):
                         self._write_positions.setdefault(key, []).append(self.positions[node])
                 for index, element in _elements(operand):

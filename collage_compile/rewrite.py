@@ -30,7 +30,7 @@ from collage_compile.accumulators import (
     Site,
     Step,
     Write,
-    _flat_nodes,
+    flat_nodes,
     read_nodes,
     written_nodes,
     written_slots,
@@ -218,7 +218,7 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
             if chain is None:
                 chain = open_chains[acc] = Chain(acc, [], set())
             chain.sites.append(site)
-            for n in _flat_nodes([s.args for s in site.steps]):
+            for n in flat_nodes([s.args for s in site.steps]):
                 chain.operand_storages |= info.storages_of(n)
     for acc in list(open_chains):
         close(acc)

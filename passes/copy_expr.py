@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
-from collage_compile.accumulators import Accumulator, GraphInfo, Step
+from collage_compile.accumulators import Accumulator, GraphInfo, Step, flat_nodes
 from collage_compile.passes._common import bind, f32, scale
 from collage_compile.passes.decay import divisor_step
 
@@ -187,7 +187,7 @@ class _Walker:
         return self._walk(expr, self.at)
 
     def _operand(self, x: Any, reader: int) -> None:
-        for n in _flat(x):
+        for n in flat_nodes(x):
             if self.info.written_between(n, reader, self.at):
                 raise _Unsupported
 
@@ -299,17 +299,6 @@ class _Walker:
             and ex.dtype in (torch.float32, torch.float64, self.acc.dtype)
             and ex.device == self.acc.example.device
         )
-
-
-def _flat(x: Any) -> Iterator[fx.Node]:
-    if isinstance(x, fx.Node):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _flat(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _flat(v)
 
 
 def _negated(alpha: Any) -> Any:

@@ -64,3 +64,15 @@ def relative_error(value: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) 
 
 def mcf_value(p: torch.Tensor) -> torch.Tensor:
     return collage_compile.value(p).double()
+
+
+def bf16_param(n=512, seed=0, scale=0.5, dtype=torch.bfloat16) -> torch.nn.Parameter:
+    """A parameter of ``n`` weights N(0, scale^2), stored in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype))
+
+
+def grad_stream(n, steps, seed=1, mean=0.01, std=0.005) -> list[torch.Tensor]:
+    """``steps`` bf16 gradients of ``n`` elements, mean +- std."""
+    g = torch.Generator().manual_seed(seed)
+    return [(mean + std * torch.randn(n, generator=g)).to(torch.bfloat16) for _ in range(steps)]

@@ -10,21 +10,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import mcf_value, relative_error
+from conftest import bf16_param, grad_stream, mcf_value, relative_error
 
 import collage_compile
 from collage_compile import state
-
-
-def _bf16_param(n=512, seed=0, scale=0.5, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    return torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype))
-
-
-def _grads(n, steps, seed=1, mean=0.01, std=0.005):
-    g = torch.Generator().manual_seed(seed)
-    return [(mean + std * torch.randn(n, generator=g)).to(torch.bfloat16) for _ in range(steps)]
-
 
 # ---- options ------------------------------------------------------------------------------
 
@@ -41,11 +30,11 @@ def test_make_backend_rejects_unknown_modes_and_options():
 def test_backend_name_and_options_through_torch_compile():
     """backend="collage" (entry point) with options={...} selects storage arithmetic:
     plain SGD is then bit-identical to the paper's Grow run op by op in eager bf16."""
-    p = _bf16_param()
+    p = bf16_param()
     hi, lo = p.detach().clone(), torch.zeros_like(p.detach())
     opt = torch.optim.SGD([p], lr=1e-3, foreach=False)
     step = torch.compile(opt.step, backend="collage", options={"arithmetic": "storage"})
-    for g in _grads(p.numel(), 20):
+    for g in grad_stream(p.numel(), 20):
         p.grad = g
         step()
         u = g.mul(-1e-3)
@@ -112,9 +101,9 @@ def test_storage_arithmetic_is_bit_identical_to_eager_bf16_grow_for_sgd(foreach,
     """foreach momentum is left out: eager bf16 itself gives different momentum buffers with
     foreach=True and foreach=False, so "eager" names no single reference there."""
     kw = _SGD_VARIANTS[variant]
-    p = _bf16_param()
+    p = bf16_param()
     p0 = p.detach().clone()
-    grads = _grads(p.numel(), 30)
+    grads = grad_stream(p.numel(), 30)
     opt = torch.optim.SGD([p], lr=1e-3, foreach=foreach, **kw)
     step = torch.compile(opt.step, backend=collage_compile.make_backend(arithmetic="storage"))
     for g in grads:
@@ -131,9 +120,9 @@ def test_eager_bf16_momentum_sgd_itself_differs_between_foreach_and_single_tenso
     torch ever makes the two agree, this fails and that case should be added."""
     bufs = []
     for foreach in (False, True):
-        p = _bf16_param()
+        p = bf16_param()
         opt = torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=foreach)
-        for g in _grads(p.numel(), 20):
+        for g in grad_stream(p.numel(), 20):
             p.grad = g.clone()
             opt.step()
         bufs.append(opt.state[p]["momentum_buffer"])
@@ -151,11 +140,11 @@ def test_fp32_and_fp64_training_is_bit_identical_to_inductor_and_allocates_no_lo
             return torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=False)
         return torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=True)
 
-    a, b = _bf16_param(dtype=dtype), _bf16_param(dtype=dtype)
+    a, b = bf16_param(dtype=dtype), bf16_param(dtype=dtype)
     oa, ob = make(a), make(b)
     sa = torch.compile(oa.step, backend=collage_compile.backend)
     sb = torch.compile(ob.step, backend="inductor")
-    for g in _grads(a.numel(), 10):
+    for g in grad_stream(a.numel(), 10):
         a.grad, b.grad = g.to(dtype), g.to(dtype)
         sa()
         sb()
@@ -165,13 +154,13 @@ def test_fp32_and_fp64_training_is_bit_identical_to_inductor_and_allocates_no_lo
 
 
 def test_mixed_precision_groups_upgrade_only_the_low_precision_params():
-    w16, w32 = _bf16_param(seed=1), _bf16_param(seed=2, dtype=torch.float32)
+    w16, w32 = bf16_param(seed=1), bf16_param(seed=2, dtype=torch.float32)
     ref32 = torch.nn.Parameter(w32.detach().clone())
     opt = torch.optim.SGD([{"params": [w16]}, {"params": [w32]}], lr=1e-3, foreach=True)
     ref_opt = torch.optim.SGD([ref32], lr=1e-3, foreach=True)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     ref_step = torch.compile(ref_opt.step, backend="inductor")
-    for g in _grads(w16.numel(), 10):
+    for g in grad_stream(w16.numel(), 10):
         w16.grad, w32.grad, ref32.grad = g, g.float(), g.float()
         step()
         ref_step()
@@ -198,13 +187,13 @@ def test_lo_is_allocated_lazily_with_the_params_dtype_device_and_layout():
 
 
 def test_lo_survives_the_recompile_a_new_learning_rate_causes():
-    p = _bf16_param()
+    p = bf16_param()
     ref = torch.nn.Parameter(p.detach().double().clone())
     start = ref.detach().clone()
     opt = torch.optim.SGD([p], lr=1e-3, foreach=False)
     ref_opt = torch.optim.SGD([ref], lr=1e-3, foreach=False)
     step = torch.compile(opt.step, backend=collage_compile.backend)
-    grads = _grads(p.numel(), 200)
+    grads = grad_stream(p.numel(), 200)
     for g in grads[:100]:
         p.grad, ref.grad = g, g.double()
         step()
@@ -223,7 +212,7 @@ def test_lo_survives_the_recompile_a_new_learning_rate_causes():
 
 def test_lo_dies_with_its_tensor():
     def train_once():
-        p = _bf16_param(n=256)
+        p = bf16_param(n=256)
         opt = torch.optim.SGD([p], lr=1e-3)
         step = torch.compile(opt.step, backend=collage_compile.backend)
         p.grad = torch.randn_like(p)
@@ -246,11 +235,11 @@ def test_handwritten_update_on_tensors_passed_as_inputs_is_upgraded():
         for p, g in zip(params, grads):
             p.add_(g, alpha=-lr)
 
-    ps = [_bf16_param(seed=s) for s in range(2)]
+    ps = [bf16_param(seed=s) for s in range(2)]
     refs = [p.detach().double().clone() for p in ps]
     starts = [r.clone() for r in refs]
     with torch.no_grad():
-        for g in _grads(512, 300):
+        for g in grad_stream(512, 300):
             step(ps, [g, g], 1e-3)
             for r in refs:
                 r.add_(g.double(), alpha=-1e-3)
@@ -263,7 +252,7 @@ def test_handwritten_update_on_tensors_passed_as_inputs_is_upgraded():
 
 
 def test_fused_optimizers_warn_once_naming_the_optimizer():
-    p = _bf16_param()
+    p = bf16_param()
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     p.grad = torch.randn_like(p)
@@ -282,7 +271,7 @@ def test_a_write_that_is_not_an_accumulation_warns_and_restarts_lo():
         p.add_(g, alpha=-1e-3)
         p.clamp_(-0.25, 0.25)
 
-    p = _bf16_param()
+    p = bf16_param()
     with (
         torch.no_grad(),
         pytest.warns(collage_compile.CollageWarning, match=r"clamp_.*\[512\], bfloat16"),
@@ -306,7 +295,7 @@ def test_each_write_sees_its_operands_as_they_were_at_that_write():
         p.mul_(0.999)
         p.add_(p, alpha=-1e-3)  # reads the pair's rounded head: p *= (1 - 1e-3)
 
-    p = _bf16_param(n=256, scale=1.0)
+    p = bf16_param(n=256, scale=1.0)
     p0 = p.detach().double().clone()
     g = torch.full((256,), 0.25, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -326,7 +315,7 @@ def test_a_graph_that_only_overwrites_a_parameter_restarts_its_lo_from_other_gra
     def clip(p):
         p.clamp_(-0.25, 0.25)
 
-    p = _bf16_param()
+    p = bf16_param()
     with torch.no_grad():
         for _ in range(5):
             update(p, torch.full_like(p, 0.01))

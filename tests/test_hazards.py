@@ -12,20 +12,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import mcf_value, relative_error
+from conftest import bf16_param, grad_stream, mcf_value, relative_error
 
 import collage_compile
 from collage_compile import report
 
 
-def _param(n=256, seed=0, scale=1.0, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    return torch.nn.Parameter((torch.randn(n, generator=g) * scale).to(dtype))
-
-
-def _grads(n, steps, seed=1, mean=0.01, std=0.005):
-    g = torch.Generator().manual_seed(seed)
-    return [(mean + std * torch.randn(n, generator=g)).to(torch.bfloat16) for _ in range(steps)]
+def _param(n=256, scale=1.0):
+    return bf16_param(n=n, scale=scale)
 
 
 def _upgraded_patterns() -> set[str]:
@@ -121,7 +115,7 @@ def test_setitem_on_a_parameter_warns_and_never_resurrects_pruned_weights():
     mask = torch.arange(256) % 2 == 0
     with torch.no_grad():
         with pytest.warns(collage_compile.CollageWarning, match=r"setitem.*\[256\], bfloat16"):
-            step(p, _grads(256, 1)[0], mask)
+            step(p, grad_stream(256, 1)[0], mask)
         assert (mcf_value(p)[mask] == 0).all()
         step(p, torch.zeros(256, dtype=torch.bfloat16), torch.zeros_like(mask))
     assert (p.detach()[mask] == 0).all()  # a stale lo did not bring them back
@@ -180,7 +174,7 @@ def test_parameters_that_are_views_of_one_flat_buffer_are_each_upgraded():
     flat = (torch.randn(512, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16()
     a, b = torch.nn.Parameter(flat[:256]), torch.nn.Parameter(flat[256:])
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    stream = list(zip(_grads(256, 300, seed=1), _grads(256, 300, seed=2)))
+    stream = list(zip(grad_stream(256, 300, seed=1), grad_stream(256, 300, seed=2)))
     plain_errs, refs, starts = _plain_sgd_error([a, b], stream, 1e-3)
     opt = torch.optim.SGD([a, b], lr=1e-3, foreach=False)
     step = torch.compile(opt.step, backend=collage_compile.backend)
@@ -199,7 +193,7 @@ def test_a_strided_view_parameter_gets_a_contiguous_lo_and_is_upgraded():
     base = (torch.randn(512, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16()
     p = torch.nn.Parameter(base[::2])
     assert p.stride() == (2,)
-    stream = [[g] for g in _grads(256, 300)]
+    stream = [[g] for g in grad_stream(256, 300)]
     (plain_err,), (ref,), (start,) = _plain_sgd_error([p], stream, 1e-3)
     f = torch.compile(lambda p, g: p.add_(g, alpha=-1e-3), backend=collage_compile.backend)
     with torch.no_grad():
@@ -247,7 +241,7 @@ def test_asgd_single_tensor_copy_after_its_decay_is_upgraded():
     plain = torch.nn.Parameter(p.detach().clone())
     plain_opt = torch.optim.ASGD([plain], lr=1e-3, foreach=False)
     step = torch.compile(opt.step, backend=collage_compile.backend)
-    for g in _grads(512, 300):
+    for g in grad_stream(512, 300):
         p.grad, ref.grad, plain.grad = g, g.double(), g.clone()
         step()
         ref_opt.step()
