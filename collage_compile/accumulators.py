@@ -92,7 +92,8 @@ class Step:
         ``"div"``: value /= ``args[0]`` (a tensor, or a constant whose reciprocal fp32
         cannot hold); divided directly, never through an overflowing reciprocal
         ``"lerp"``: value += ``args[1]`` * (``args[0]`` - value)
-        ``"set"``: value = ``args[0]`` (an overwrite: lo restarts at zero)
+        ``"set"``: value = ``args[0]`` (an overwrite: the old lo is discarded; a source
+        finer than the storage dtype keeps in lo what hi cannot hold, in fp32 arithmetic)
     """
 
     kind: str

@@ -91,6 +91,10 @@ def _eligibility(acc: Accumulator, config: CollageConfig) -> tuple[bool, str]:
     return False, f"mode {config.mode!r}"
 
 
+def _may_alias_a_pair(acc: Accumulator) -> bool:
+    return not acc.eligible and acc.real is None and acc.role == "tensor"
+
+
 def compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig
 ) -> Callable[..., Any]:
@@ -117,12 +121,17 @@ def compile_graph(
     # an unsupported write to a tensor with no chain here: its lo (from other graphs) no
     # longer matches hi, so the wrapper zeroes it after the call
     resets = list({w.acc: None for w in unsupported if w.acc not in upgraded})
+    # tensors passed in and written, but not upgraded (not parameters): if one is p.data or
+    # p.detach() of a parameter carrying a pair, that pair's lo no longer matches its hi
+    aliases = list({w.acc: None for w in info.writes if _may_alias_a_pair(w.acc)})
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
         compiled = _compat.compile_with_inductor(original, example_inputs)
-        return _LoInputs(compiled, [], resets) if resets else compiled
+        if resets or aliases:
+            return _LoInputs(compiled, [], resets, aliases)
+        return compiled
 
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, upgraded, fake_mode)
@@ -140,7 +149,7 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, upgraded, resets)
+    return _LoInputs(compiled, upgraded, resets, aliases)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
@@ -184,6 +193,7 @@ class _LoInputs:
         compiled: Callable[..., Any],
         upgraded: list[Accumulator],
         resets: list[Accumulator] = (),  # type: ignore[assignment]
+        aliases: list[Accumulator] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
         self._attrs = [
@@ -197,6 +207,7 @@ class _LoInputs:
         self._los: list[torch.Tensor | None] = [None] * len(upgraded)
         self._reset_refs = [weakref.ref(a.real) for a in resets if a.real is not None]
         self._reset_inputs = [a.input_index for a in resets if a.real is None]
+        self._alias_inputs = [(a.input_index, a) for a in aliases]
 
     def __call__(self, *args: Any) -> Any:
         los = self._los
@@ -223,4 +234,16 @@ class _LoInputs:
             lo = state.get_lo(t) if t is not None else None
             if lo is not None:
                 lo.zero_()
+        for idx, acc in self._alias_inputs:
+            los = state.aliased_los(args[idx])
+            for lo in los:
+                lo.zero_()
+            if los:
+                report.warn_once(
+                    ("alias", acc.name, acc.describe()),
+                    f"collage: {acc.describe()} is written here and shares memory with a "
+                    "parameter that carries a (hi, lo) pair (p.data or p.detach() passed "
+                    f"in?); the write is not upgraded ({acc.reason}), and the parameter's lo "
+                    "restarts from zero.  Pass the parameter itself.",
+                )
         return out

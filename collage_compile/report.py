@@ -65,16 +65,11 @@ class GraphReport:
         for e in self.entries:
             if e.applied or e.reason.startswith("mode="):
                 continue
-            key = (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason)
-            with _warn_lock:
-                if key in _warned:
-                    continue
-                _warned.add(key)
-            warnings.warn(
+            warn_once(
+                (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason),
                 f"collage: not upgraded: {e.pattern} on {e.tensor} "
                 f"(shape {list(e.shape)}, {e.dtype}): {e.reason}",
-                CollageWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def format(self) -> str:
@@ -150,19 +145,24 @@ def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _warn_fused(name: str) -> None:
-    key = ("fused", name)
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(
+    warn_once(
+        ("fused", name),
         f"collage: {name}(fused=True) runs one opaque kernel that torch.compile does not trace, "
         f"so its bf16/fp16 parameters are updated in plain low precision (updates below half "
         f"an ulp are lost); construct it with foreach=True (or foreach=False) to have collage "
         f"upgrade it",
-        CollageWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
+
+
+def warn_once(key: tuple[str, ...], message: str, stacklevel: int = 2) -> None:
+    """A CollageWarning, given once per ``key`` for the life of the process (or until
+    :func:`reset_warnings`)."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, CollageWarning, stacklevel=stacklevel + 1)
 
 
 def record(rep: GraphReport) -> None:

@@ -35,6 +35,7 @@ from collage_compile.accumulators import (
     written_nodes,
     written_slots,
 )
+from collage_compile.passes._common import f32, is_number, is_scalar
 
 # ---- the chain arithmetic, a plain torch function (eager or traced) ---------------------
 
@@ -58,7 +59,7 @@ def mcf_chain(
             if kind == "add":
                 s, e = mcf.dw_add(s, e, fn(*args))
             elif kind == "mul":
-                c_hi, c_lo = _factor_fp32(args, fn)
+                c_hi, c_lo = _factor_fp32(hi, args, fn)
                 s, e = mcf.dw_mul(s, e, c_hi, c_lo)
             elif kind == "div":
                 s, e = mcf.dw_div(s, e, _f32(args[0]))
@@ -74,9 +75,12 @@ def mcf_chain(
         a, r = hi.float(), lo.float()
         for kind, args, fn in steps:
             if kind == "add":
-                a, r = mcf.storage_add(a, r, fn(*args), dtype)
+                u = fn(*args)
+                if not _is_tensor(u):  # a Python scalar added to every element
+                    u = torch.full_like(a, float(u)) if is_number(u) else f32(u)
+                a, r = mcf.storage_add(a, r, u, dtype)
             elif kind == "mul":
-                c_hi, c_lo = _factor_storage(args, fn, dtype)
+                c_hi, c_lo = _factor_storage(hi, args, fn, dtype)
                 a, r = mcf.storage_mul(a, r, c_hi, c_lo, dtype)
             elif kind == "div":
                 a, r = mcf.storage_div(a, r, _f32(args[0]), dtype)
@@ -93,32 +97,44 @@ def mcf_chain(
 
 
 def _is_tensor(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, fx.Proxy))
+    return isinstance(x, torch.Tensor) or (isinstance(x, fx.Proxy) and not is_scalar(x))
 
 
 def _f32(x: Any) -> Any:
-    return x.float() if _is_tensor(x) else float(x)
+    return f32(x)
 
 
 def _set_value(hi: Any, src: Any) -> Any:
-    if _is_tensor(src):
-        return src.float().expand_as(hi)
+    if _is_tensor(src) or (is_scalar(src) and isinstance(src, fx.Proxy)):
+        return f32(src).expand_as(hi)
     return torch.full_like(hi, float(src), dtype=torch.float32)
 
 
-def _factor_fp32(args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
+def _split_symbolic(hi: Any, c: Any) -> tuple[Any, Any]:
+    """A symbolic Python scalar (``1 - lr*wd`` under ``dynamic=True``) as an fp32 pair, split
+    at run time in float64 on hi's device: a Veltkamp split (sigma = 2^29 + 1) leaves a
+    24-bit head, so both casts to fp32 are exact and no compiler pass can drop them."""
+    c64 = hi.new_full((), c, dtype=torch.float64)
+    t = c64 * float(2**29 + 1)
+    head = t - (t - c64)
+    return head.float(), (c64 - head).float()
+
+
+def _factor_fp32(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
     c = fn(*args) if fn is not None else args[0]
     if _is_tensor(c):
         return c.float(), 0.0
+    if isinstance(c, fx.Proxy):
+        return _split_symbolic(hi, c)
     return mcf.split_constant(float(c), torch.float32)
 
 
-def _factor_storage(args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+def _factor_storage(hi: Any, args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     c = fn(*args) if fn is not None else args[0]
-    if _is_tensor(c):
-        c = c.float()
-        c_hi = mcf.round_to(c, dtype)
-        return c_hi, mcf.round_to(c - c_hi, dtype)
+    if _is_tensor(c) or isinstance(c, fx.Proxy):
+        c32, c32_lo = (c.float(), 0.0) if _is_tensor(c) else _split_symbolic(hi, c)
+        c_hi = mcf.round_to(c32, dtype)
+        return c_hi, mcf.round_to((c32 - c_hi) + c32_lo, dtype)
     try:
         return mcf.split_constant(float(c), dtype)
     except OverflowError:

@@ -17,18 +17,53 @@ import torch
 from collage_compile import _compat
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["clear", "components", "get_lo", "lo_for", "lo_layout", "value"]
+__all__ = ["aliased_los", "clear", "components", "get_lo", "lo_for", "lo_layout", "value"]
 
 _lock = threading.Lock()
 # id(tensor) -> (weakref to tensor, lo)
 _entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+# storage data pointer -> ids of the registered tensors on it (to find aliases: p.data)
+_by_storage: dict[int, set[int]] = {}
 
 
-def _drop(key: int, ref: weakref.ref) -> None:
+def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
     with _lock:
         entry = _entries.get(key)
         if entry is not None and entry[0] is ref:
             del _entries[key]
+            ids = _by_storage.get(ptr)
+            if ids is not None:
+                ids.discard(key)
+                if not ids:
+                    del _by_storage[ptr]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes [start, end) of its storage that a tensor's elements occupy."""
+    if t.numel() == 0:
+        return (0, 0)
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return start, start + extent * t.element_size()
+
+
+def aliased_los(t: torch.Tensor) -> list[torch.Tensor]:
+    """The lo of every *other* registered tensor whose elements overlap ``t``'s memory
+    (``t`` is ``p.data`` or ``p.detach()`` of a parameter that carries a pair)."""
+    ids = _by_storage.get(t.untyped_storage().data_ptr())
+    if not ids:
+        return []
+    start, end = _span(t)
+    out = []
+    for key in list(ids):
+        entry = _entries.get(key)
+        other = entry[0]() if entry is not None else None
+        if other is None or other is t:
+            continue
+        o_start, o_end = _span(other)
+        if o_start < end and start < o_end:
+            out.append(entry[1])
+    return out
 
 
 def get_lo(t: torch.Tensor) -> torch.Tensor | None:
@@ -85,9 +120,14 @@ def lo_for(t: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 lo = torch.empty_strided(t.shape, lo_layout(t), dtype=t.dtype, device=t.device)
                 lo.zero_()
-            key = id(t)
-            ref = weakref.ref(t, lambda r, key=key: _drop(key, r))
+            key, ptr = id(t), t.untyped_storage().data_ptr()
+            old = _entries.get(key)
+            if old is not None:  # re-fitted: the tensor may sit on a new storage now
+                for ids in _by_storage.values():
+                    ids.discard(key)
+            ref = weakref.ref(t, lambda r, key=key, ptr=ptr: _drop(key, r, ptr))
             _entries[key] = (ref, lo)
+            _by_storage.setdefault(ptr, set()).add(key)
     return lo
 
 
@@ -121,6 +161,7 @@ def clear() -> None:
     """Forget every lo component (tests; a fresh start)."""
     with _lock:
         _entries.clear()
+        _by_storage.clear()
 
 
 def count() -> int:

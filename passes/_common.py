@@ -9,16 +9,33 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from collage_compile import _compat
+
 
 def f32(x: Any) -> Any:
-    """An operand as fp32: tensors (and proxies) are upcast, Python numbers become floats.
+    """An operand as fp32: tensors (and proxies) are upcast, Python numbers become floats,
+    a symbolic scalar (a ``SymFloat`` under ``dynamic=True``) becomes a 0-dim fp32 tensor.
 
     Upcasting a bf16/fp16 operand is exact; what matters is that the arithmetic combining
     the operands runs in fp32, so the update reaching the Grow is not rounded to bf16 first.
     """
+    if isinstance(x, fx.Proxy) and is_scalar(x):
+        return torch.scalar_tensor(x, dtype=torch.float32)
     if isinstance(x, (torch.Tensor, fx.Proxy)):
         return x.float()
     return float(x)
+
+
+def is_scalar(x: Any) -> bool:
+    """A Python number, or a graph value that is a (symbolic) Python scalar, not a tensor."""
+    if isinstance(x, fx.Proxy):
+        x = x.node
+    if isinstance(x, fx.Node):
+        ex = _compat.example_value(x)
+        return isinstance(ex, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(
+            ex, bool
+        )
+    return is_number(x)
 
 
 def bind(

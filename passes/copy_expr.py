@@ -13,8 +13,9 @@ additive step ``+ (g*g) * 0.001``, chained with the ``mul_`` before it::
 
     after: (hi, lo) = grow(mul((hi, lo), 0.999), (g*g).float() * 0.001)
 
-A source that does not read the tensor is an overwrite: the pair becomes (src, 0), so a
-stale lo never leaks into a value written from elsewhere.  A source that reads the tensor in
+A source that does not read the tensor is an overwrite: the pair becomes src (lo holds what
+an fp32 source has beyond hi, zero for a bf16 one), so a stale lo never leaks into a value
+written from elsewhere.  A source that reads the tensor in
 a way not listed here is reported as not upgradable.
 
 Why: ``x.copy_(f(x))`` is how an optimizer (or Dynamo's decomposition of one) spells an
@@ -33,7 +34,7 @@ import torch.fx as fx
 
 from collage_compile import _compat
 from collage_compile.accumulators import Accumulator, GraphInfo, Step, flat_nodes
-from collage_compile.passes._common import bind, f32, scale
+from collage_compile.passes._common import bind, f32, is_number, scale
 from collage_compile.passes.decay import divisor_step
 
 
@@ -231,9 +232,9 @@ class _Walker:
             if b is None:
                 return
             x, y, alpha = b
-            a = alpha if key in _ADD else _negated(alpha)
-            yield "add", x, [Step("add", (y, a), _scaled)], (y, alpha)
-            yield "add", y, [Step("mul", (a,)), Step("add", (x, 1), _scaled)], (x, alpha)
+            sub = key in _SUB
+            yield "add", x, [Step("add", (y, alpha), _neg_scaled if sub else _scaled)], (y, alpha)
+            yield "add", y, [*_factor_steps(alpha, sub), Step("add", (x, 1), _scaled)], (x, alpha)
             return
         if key in _MUL:
             b = bind(_mul_sig, args, kwargs)
@@ -301,5 +302,12 @@ class _Walker:
         )
 
 
-def _negated(alpha: Any) -> Any:
-    return -alpha
+def _neg_scaled(x: Any, factor: Any) -> Any:
+    return -_scaled(x, factor)
+
+
+def _factor_steps(alpha: Any, negate: bool) -> list[Step]:
+    """Multiplication by ``alpha`` (or ``-alpha``); alpha may be a graph node (symbolic)."""
+    if is_number(alpha):
+        return [Step("mul", (-alpha if negate else alpha,))]
+    return [Step("mul", (alpha,)), *([Step("mul", (-1.0,))] if negate else [])]

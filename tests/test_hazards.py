@@ -251,3 +251,77 @@ def test_asgd_single_tensor_copy_after_its_decay_is_upgraded():
     plain_err = relative_error(plain.detach().double(), ref.detach(), start)
     assert err <= 0.02
     assert plain_err >= 25 * err
+
+
+# ---- scalars ---------------------------------------------------------------------------------
+
+
+def test_symbolic_scalars_under_dynamic_shapes_are_carried_exactly():
+    """``n = g.shape[0]`` is a SymInt with dynamic=True: decay, alpha, scalar add and lerp
+    weight all become symbolic and must still reach the pair unrounded."""
+
+    @torch.compile(backend=collage_compile.backend, dynamic=True)
+    def step(p, g):
+        n = g.shape[0]
+        p.mul_(1 - 1e-3 / n)
+        p.add_(g.sum(0), alpha=-1e-3 / n)
+        p.add_(1e-4 / n)
+        p.lerp_(g[0], 1e-3 / n)
+
+    p = _param(n=128, scale=0.5)
+    ref = p.detach().double().clone()
+    start = ref.clone()
+    plain = p.detach().clone()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i in range(120):
+            n = (4, 6, 8)[i % 3]
+            g = (0.01 + 0.005 * torch.randn(n, 128, generator=gen)).bfloat16()
+            step(p, g)
+            for x in (ref, plain):
+                gx = g.to(x.dtype)
+                x.mul_(1 - 1e-3 / n).add_(gx.sum(0), alpha=-1e-3 / n).add_(1e-4 / n)
+                x.lerp_(gx[0], 1e-3 / n)
+    err = relative_error(mcf_value(p), ref, start)
+    plain_err = relative_error(plain.double(), ref, start)
+    assert err <= 0.02
+    assert plain_err >= 25 * err
+
+
+def test_storage_arithmetic_adds_a_python_scalar_like_eager_bf16_grow():
+    @torch.compile(backend=collage_compile.make_backend(arithmetic="storage"))
+    def step(p):
+        p.add_(1e-4)
+
+    p = _param(n=128, scale=0.5)
+    hi, lo = p.detach().clone(), torch.zeros_like(p.detach())
+    u = torch.full_like(hi, 1e-4)  # the update rounded to bf16 first, as the paper does
+    with torch.no_grad():
+        for _ in range(50):
+            step(p)
+            s = hi + u
+            lo = lo + (u - (s - hi))
+            hi = s + lo
+            lo = lo - (hi - s)
+    got_hi, got_lo = collage_compile.components(p)
+    assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
+    assert (hi.double() + lo.double() - p.detach().double()).abs().sum() > 0  # lo is used
+
+
+# ---- aliases passed in -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["data", "detach"])
+def test_writing_p_data_passed_in_restarts_the_parameters_lo_and_says_so(alias):
+    """p.data is a plain tensor to Dynamo: light mode does not upgrade writes to it, but the
+    parameter's pair must not keep a lo that no longer belongs to its hi."""
+    update = torch.compile(lambda p, g: p.add_(g, alpha=-1e-3), backend=collage_compile.backend)
+    reset = torch.compile(lambda t: t.fill_(1.0), backend=collage_compile.backend)
+    p = _param(n=64)
+    with torch.no_grad():
+        for g in grad_stream(64, 5):
+            update(p, g)
+        assert collage_compile.components(p)[1].abs().sum() > 0
+        with pytest.warns(collage_compile.CollageWarning, match=r"shares memory with a parameter"):
+            reset(p.data if alias == "data" else p.detach())
+    assert torch.equal(collage_compile.value(p), torch.ones(64))

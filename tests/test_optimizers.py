@@ -63,6 +63,7 @@ def run_stream(
     grad_mean: float,
     grad_std: float,
     seed: int = 0,
+    dynamic: bool | None = None,
 ):
     """Train bf16 params with ``backend`` and a float64 shadow fed the same updates.
 
@@ -74,7 +75,9 @@ def run_stream(
     ref = [torch.nn.Parameter(s.clone()) for s in start]
     opt = cls(params, foreach=foreach, **kw)
     ref_opt = cls(ref, foreach=False, **kw)
-    step = torch.compile(opt.step, backend=backend) if backend is not None else opt.step
+    step = opt.step
+    if backend is not None:
+        step = torch.compile(opt.step, backend=backend, dynamic=dynamic)
     g = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
         for p, r in zip(params, ref):
@@ -168,3 +171,17 @@ def test_a_smooth_stream_near_the_pairs_limit_keeps_a_few_percent_error():
     print(f"smooth stream near the limit: collage {err:.2e}  plain bf16 {plain_err:.2e}")
     assert 0.01 <= err <= 0.1
     assert plain_err >= 0.9
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_adamw_with_dynamic_shapes_splits_its_symbolic_decay_at_run_time(foreach):
+    """dynamic=True makes AdamW's ``1 - lr*wd`` a SymFloat: split into an fp32 pair on the
+    device at run time instead of on the host."""
+    steps, scale, mean, std = STREAMS["adamw"]
+    err, _ = run_stream(
+        "adamw", foreach, collage_compile.backend, steps, scale, mean, std, dynamic=True
+    )
+    plain_err, _ = run_stream("adamw", foreach, None, steps, scale, mean, std)
+    print(f"adamw dynamic=True foreach={foreach}: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert err <= 0.02
+    assert plain_err >= 25 * err
