@@ -76,3 +76,11 @@ def grad_stream(n, steps, seed=1, mean=0.01, std=0.005) -> list[torch.Tensor]:
     """``steps`` bf16 gradients of ``n`` elements, mean +- std."""
     g = torch.Generator().manual_seed(seed)
     return [(mean + std * torch.randn(n, generator=g)).to(torch.bfloat16) for _ in range(steps)]
+
+
+def eager_grow(hi: torch.Tensor, lo: torch.Tensor, u: torch.Tensor):
+    """The paper's Grow, each operation an eager op in the storage dtype."""
+    s = hi + u
+    lo = lo + (u - (s - hi))
+    hi = s + lo
+    return hi, lo - (hi - s)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import bf16_param, grad_stream, mcf_value, relative_error
+from conftest import bf16_param, eager_grow, grad_stream, mcf_value, relative_error
 
 import collage_compile
 from collage_compile import state
@@ -37,11 +37,7 @@ def test_backend_name_and_options_through_torch_compile():
     for g in grad_stream(p.numel(), 20):
         p.grad = g
         step()
-        u = g.mul(-1e-3)
-        s = hi + u
-        lo = lo + (u - (s - hi))
-        hi = s + lo
-        lo = lo - (hi - s)
+        hi, lo = eager_grow(hi, lo, g.mul(-1e-3))
     got_hi, got_lo = collage_compile.components(p)
     assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
 
@@ -77,11 +73,7 @@ def _eager_sgd_with_paper_grow(p0, grads, lr, momentum=0.0, nesterov=False, weig
         if momentum:
             buf = d.clone() if buf is None else buf.mul_(momentum).add_(d)
             d = d.add(buf, alpha=momentum) if nesterov else buf
-        u = d.mul(-lr)
-        s = hi + u
-        lo = lo + (u - (s - hi))
-        hi = s + lo
-        lo = lo - (hi - s)
+        hi, lo = eager_grow(hi, lo, d.mul(-lr))
     return hi, lo
 
 

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import bf16_param, grad_stream, mcf_value, relative_error
+from conftest import bf16_param, eager_grow, grad_stream, mcf_value, relative_error
 
 import collage_compile
 from collage_compile import report
@@ -299,10 +299,7 @@ def test_storage_arithmetic_adds_a_python_scalar_like_eager_bf16_grow():
     with torch.no_grad():
         for _ in range(50):
             step(p)
-            s = hi + u
-            lo = lo + (u - (s - hi))
-            hi = s + lo
-            lo = lo - (hi - s)
+            hi, lo = eager_grow(hi, lo, u)
     got_hi, got_lo = collage_compile.components(p)
     assert torch.equal(got_hi.detach(), hi) and torch.equal(got_lo, lo)
     assert (hi.double() + lo.double() - p.detach().double()).abs().sum() > 0  # lo is used
