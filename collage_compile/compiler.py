@@ -118,20 +118,23 @@ def compile_graph(
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
     upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
-    # an unsupported write to a tensor with no chain here: its lo (from other graphs) no
-    # longer matches hi, so the wrapper zeroes it after the call
-    resets = list({w.acc: None for w in unsupported if w.acc not in upgraded})
-    # tensors passed in and written, but not upgraded (not parameters): if one is p.data or
-    # p.detach() of a parameter carrying a pair, that pair's lo no longer matches its hi
-    aliases = list({w.acc: None for w in info.writes if _may_alias_a_pair(w.acc)})
+    # Tensors this graph writes without a chain: an unsupported write to a tensor with no
+    # chain here, or a write to a tensor passed in that is not upgraded (it may be p.data
+    # of a parameter carrying a pair).  Any pair on their memory no longer matches its hi:
+    # the wrapper zeroes its lo after the call.
+    unchained = list(
+        {
+            w.acc: None
+            for w in info.writes
+            if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
+        }
+    )
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
         compiled = _compat.compile_with_inductor(original, example_inputs)
-        if resets or aliases:
-            return _LoInputs(compiled, [], resets, aliases)
-        return compiled
+        return _LoInputs(compiled, [], unchained) if unchained else compiled
 
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, upgraded, fake_mode)
@@ -149,7 +152,7 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, upgraded, resets, aliases)
+    return _LoInputs(compiled, upgraded, unchained)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
@@ -180,7 +183,7 @@ def inductor_options() -> dict[str, Any]:
 
 class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended, and
-    afterwards zeroes the lo of tensors the graph overwrote without an MCF chain.
+    afterwards zeroes the lo of every pair on memory the graph wrote without an MCF chain.
 
     get_attr tensors are fixed for the graph (Dynamo guards their identity and metadata), so
     their lo is remembered, holding only a weak reference to the tensor; each call checks
@@ -192,8 +195,7 @@ class _LoInputs:
         self,
         compiled: Callable[..., Any],
         upgraded: list[Accumulator],
-        resets: list[Accumulator] = (),  # type: ignore[assignment]
-        aliases: list[Accumulator] = (),  # type: ignore[assignment]
+        unchained: list[Accumulator] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
         self._attrs = [
@@ -205,9 +207,8 @@ class _LoInputs:
             (slot, a.input_index) for slot, a in enumerate(upgraded) if a.real is None
         ]
         self._los: list[torch.Tensor | None] = [None] * len(upgraded)
-        self._reset_refs = [weakref.ref(a.real) for a in resets if a.real is not None]
-        self._reset_inputs = [a.input_index for a in resets if a.real is None]
-        self._alias_inputs = [(a.input_index, a) for a in aliases]
+        self._unchained_refs = [(weakref.ref(a.real), a) for a in unchained if a.real is not None]
+        self._unchained_inputs = [(a.input_index, a) for a in unchained if a.real is None]
 
     def __call__(self, *args: Any) -> Any:
         los = self._los
@@ -230,20 +231,17 @@ class _LoInputs:
             call_los[slot] = state.lo_for(args[idx])
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
-        for t in [r() for r in self._reset_refs] + [args[i] for i in self._reset_inputs]:
-            lo = state.get_lo(t) if t is not None else None
-            if lo is not None:
+        written = [(r(), a) for r, a in self._unchained_refs]
+        written += [(args[i], a) for i, a in self._unchained_inputs]
+        for t, acc in written:
+            for owner, lo in state.los_overlapping(t) if t is not None else ():
                 lo.zero_()
-        for idx, acc in self._alias_inputs:
-            los = state.aliased_los(args[idx])
-            for lo in los:
-                lo.zero_()
-            if los:
-                report.warn_once(
-                    ("alias", acc.name, acc.describe()),
-                    f"collage: {acc.describe()} is written here and shares memory with a "
-                    "parameter that carries a (hi, lo) pair (p.data or p.detach() passed "
-                    f"in?); the write is not upgraded ({acc.reason}), and the parameter's lo "
-                    "restarts from zero.  Pass the parameter itself.",
-                )
+                if owner is not t:
+                    report.warn_once(
+                        ("alias", acc.name, acc.describe()),
+                        f"collage: {acc.describe()} is written here and shares memory with a "
+                        "parameter that carries a (hi, lo) pair (p.data or p.detach() passed "
+                        f"in?); the write is not upgraded ({acc.reason or 'unsupported'}), "
+                        "and the parameter's lo restarts from zero.  Pass the parameter itself.",
+                    )
         return out

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, mcf
+from collage_compile import _compat, mcf, state
 from collage_compile.accumulators import (
     _PER_ELEMENT_SCALAR_TENSOR,
     Accumulator,
@@ -62,10 +62,10 @@ def mcf_chain(
                 c_hi, c_lo = _factor_fp32(hi, args, fn)
                 s, e = mcf.dw_mul(s, e, c_hi, c_lo)
             elif kind == "div":
-                s, e = mcf.dw_div(s, e, _f32(args[0]))
+                s, e = mcf.dw_div(s, e, f32(args[0]))
             elif kind == "lerp":
                 end, weight = args
-                s, e = mcf.dw_add(s, e, ((_f32(end) - s) - e) * _f32(weight))
+                s, e = mcf.dw_add(s, e, ((f32(end) - s) - e) * f32(weight))
             elif kind == "set":
                 s, e = _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
             else:
@@ -83,10 +83,10 @@ def mcf_chain(
                 c_hi, c_lo = _factor_storage(hi, args, fn, dtype)
                 a, r = mcf.storage_mul(a, r, c_hi, c_lo, dtype)
             elif kind == "div":
-                a, r = mcf.storage_div(a, r, _f32(args[0]), dtype)
+                a, r = mcf.storage_div(a, r, f32(args[0]), dtype)
             elif kind == "lerp":
                 end, weight = args
-                a, r = mcf.storage_add(a, r, ((_f32(end) - a) - r) * _f32(weight), dtype)
+                a, r = mcf.storage_add(a, r, ((f32(end) - a) - r) * f32(weight), dtype)
             elif kind == "set":
                 a = mcf.round_to(_set_value(hi, args[0]), dtype)
                 r = torch.zeros_like(hi, dtype=torch.float32)
@@ -98,10 +98,6 @@ def mcf_chain(
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) or (isinstance(x, fx.Proxy) and not is_scalar(x))
-
-
-def _f32(x: Any) -> Any:
-    return f32(x)
 
 
 def _set_value(hi: Any, src: Any) -> Any:
@@ -256,14 +252,9 @@ def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -
         # Dynamo's example values live in its tracing fake mode; AOTAutograd fakeifies the
         # backend's inputs in the tracing context's own mode (a different one on 2.13), so the
         # new input's example is made there, with the accumulator's (possibly symbolic) sizes.
-        # Its layout follows state.lo_layout: the tensor's strides where it is dense,
-        # contiguous otherwise.
-        ex = acc.example
+        # Same layout rule as the real lo (state.empty_lo).
         with fake_mode:
-            if _compat.is_non_overlapping_and_dense(ex):
-                fake = torch.empty_strided(ex.size(), ex.stride(), dtype=ex.dtype, device=ex.device)
-            else:
-                fake = torch.empty(ex.size(), dtype=ex.dtype, device=ex.device)
+            fake = state.empty_lo(acc.example)
         _compat.set_example_value(node, fake)
         node.meta["val"] = fake
         acc.lo_node = node

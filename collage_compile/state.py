@@ -17,7 +17,7 @@ import torch
 from collage_compile import _compat
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["aliased_los", "clear", "components", "get_lo", "lo_for", "lo_layout", "value"]
+__all__ = ["clear", "components", "empty_lo", "get_lo", "lo_for", "los_overlapping", "value"]
 
 _lock = threading.Lock()
 # id(tensor) -> (weakref to tensor, lo)
@@ -47,14 +47,16 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def aliased_los(t: torch.Tensor) -> list[torch.Tensor]:
-    """The lo of every *other* registered tensor whose elements overlap ``t``'s memory
-    (``t`` is ``p.data`` or ``p.detach()`` of a parameter that carries a pair)."""
+def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(owner, lo) for ``t``'s own lo and for every other registered tensor whose elements
+    overlap ``t``'s memory (``t`` may be ``p.data`` or ``p.detach()`` of a parameter that
+    carries a pair)."""
+    own = get_lo(t)
+    out = [(t, own)] if own is not None else []
     ids = _by_storage.get(t.untyped_storage().data_ptr())
     if not ids:
-        return []
+        return out
     start, end = _span(t)
-    out = []
     for key in list(ids):
         entry = _entries.get(key)
         other = entry[0]() if entry is not None else None
@@ -62,7 +64,7 @@ def aliased_los(t: torch.Tensor) -> list[torch.Tensor]:
             continue
         o_start, o_end = _span(other)
         if o_start < end and start < o_end:
-            out.append(entry[1])
+            out.append((other, entry[1]))
     return out
 
 
@@ -74,29 +76,23 @@ def get_lo(t: torch.Tensor) -> torch.Tensor | None:
     return entry[1]
 
 
-def lo_layout(t: torch.Tensor) -> tuple[int, ...]:
-    """Strides of a tensor's lo: the tensor's own where it is dense (a transposed weight's lo
-    is transposed too, so the fused kernel walks both alike), contiguous otherwise (a strided
-    view of a larger buffer: lo holds only the elements of the view)."""
+def empty_lo(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised lo for ``t`` (real or fake): the tensor's own strides where it is
+    dense (a transposed weight's lo is transposed too, so the fused kernel walks both
+    alike), contiguous otherwise (a strided view of a larger buffer: lo holds only the
+    elements of the view)."""
     if _compat.is_non_overlapping_and_dense(t):
-        return tuple(t.stride())
-    return _contiguous_strides(tuple(t.shape))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(strides))
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    return torch.empty(t.size(), dtype=t.dtype, device=t.device)
 
 
 def _fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
+    dense = _compat.is_non_overlapping_and_dense(t)
     return (
         lo.dtype == t.dtype
         and lo.shape == t.shape
         and lo.device == t.device
-        and tuple(lo.stride()) == lo_layout(t)
+        and (lo.stride() == t.stride() if dense else lo.is_contiguous())
     )
 
 
@@ -118,8 +114,7 @@ def lo_for(t: torch.Tensor) -> torch.Tensor:
             if lo is not None:
                 _warn_refit(lo, t)
             with torch.no_grad():
-                lo = torch.empty_strided(t.shape, lo_layout(t), dtype=t.dtype, device=t.device)
-                lo.zero_()
+                lo = empty_lo(t).zero_()
             key, ptr = id(t), t.untyped_storage().data_ptr()
             old = _entries.get(key)
             if old is not None:  # re-fitted: the tensor may sit on a new storage now

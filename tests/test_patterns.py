@@ -106,27 +106,44 @@ def _foreach_mul_add(p, g, t):
     torch._foreach_addcmul_([p], [g], [torch.ones_like(g)], value=-LR)
 
 
+# float64 references of the update each case spells
+def _sgd(p, g, t):
+    return p - LR * g
+
+
+def _decayed_sgd(p, g, t):
+    return p * (1 - 1e-3) - LR * g
+
+
+def _ema(p, g, t):
+    return p + 5e-4 * (t - p)
+
+
+def _divided(p, g, t):
+    return p / (1 + 1e-3)
+
+
 CASES = {
-    "add_": (_add, lambda p, g, t: p - LR * g),
-    "sub_": (_sub, lambda p, g, t: p - LR * g),
-    "+=": (_iadd, lambda p, g, t: p - LR * g),
-    "addcdiv_": (_addcdiv, lambda p, g, t: p - LR * g),
-    "addcmul_": (_addcmul, lambda p, g, t: p - LR * g),
-    "lerp_": (_lerp, lambda p, g, t: p + 5e-4 * (t - p)),
-    "mul_+add_": (_decay_then_add, lambda p, g, t: p * (1 - 1e-3) - LR * g),
-    "div_": (_div_decay, lambda p, g, t: p / (1 + 1e-3)),
-    "copy_(p*c-u)": (_copy_expr, lambda p, g, t: p * (1 - 1e-3) - LR * g),
-    "copy_(fma)": (_copy_fma, lambda p, g, t: p - LR * g),
-    "copy_(fp32 round trip)": (_copy_via_fp32, lambda p, g, t: p - LR * g),
+    "add_": (_add, _sgd),
+    "sub_": (_sub, _sgd),
+    "+=": (_iadd, _sgd),
+    "addcdiv_": (_addcdiv, _sgd),
+    "addcmul_": (_addcmul, _sgd),
+    "lerp_": (_lerp, _ema),
+    "mul_+add_": (_decay_then_add, _decayed_sgd),
+    "div_": (_div_decay, _divided),
+    "copy_(p*c-u)": (_copy_expr, _decayed_sgd),
+    "copy_(fma)": (_copy_fma, _sgd),
+    "copy_(fp32 round trip)": (_copy_via_fp32, _sgd),
     "copy_(p - lr*(g + wd*p))": (_copy_wd_reads_p, lambda p, g, t: p - LR * (g + 1e-3 * p)),
-    "mul_+copy_(fma)": (_mul_then_copy, lambda p, g, t: p * (1 - 1e-3) - LR * g),
-    "div_(tensor)": (_div_tensor, lambda p, g, t: p / (1 + 1e-3)),
-    "aten.add_.Tensor": (_aten_add, lambda p, g, t: p - LR * g),
-    "aten._foreach_add_.List": (_aten_foreach_add, lambda p, g, t: p - LR * g),
-    "p.data.add_": (_data_add, lambda p, g, t: p - LR * g),
-    "_foreach_add_": (_foreach_add, lambda p, g, t: p - LR * g),
-    "_foreach_lerp_": (_foreach_lerp, lambda p, g, t: p + 5e-4 * (t - p)),
-    "_foreach_mul_+addcmul_": (_foreach_mul_add, lambda p, g, t: p * (1 - 1e-3) - LR * g),
+    "mul_+copy_(fma)": (_mul_then_copy, _decayed_sgd),
+    "div_(tensor)": (_div_tensor, _divided),
+    "aten.add_.Tensor": (_aten_add, _sgd),
+    "aten._foreach_add_.List": (_aten_foreach_add, _sgd),
+    "p.data.add_": (_data_add, _sgd),
+    "_foreach_add_": (_foreach_add, _sgd),
+    "_foreach_lerp_": (_foreach_lerp, _ema),
+    "_foreach_mul_+addcmul_": (_foreach_mul_add, _decayed_sgd),
 }
 
 
