@@ -224,7 +224,7 @@ class GraphInfo:
             ex = _compat.example_value(node)
             if not isinstance(ex, torch.Tensor) or ex.dtype not in LOW_PRECISION:
                 continue
-            key = _storage_key(ex)
+            key = storage_key(ex)
             if key is None:  # e.g. sparse: no storage to alias
                 continue
             real = None
@@ -256,7 +256,7 @@ class GraphInfo:
         names that one; any other view of a storage holding accumulators may touch each of
         them, so it names them all, as partial.
         """
-        key = _storage_key(value)
+        key = storage_key(value)
         accs = self._by_storage.get(key, []) if key is not None else []
         for acc in accs:
             ex = acc.example
@@ -289,7 +289,7 @@ class GraphInfo:
             return set()
         ex = _compat.example_value(node)
         vals = ex if isinstance(ex, (list, tuple)) else [ex]
-        return {k for v in vals if (k := _storage_key(v)) is not None}
+        return {k for v in vals if (k := storage_key(v)) is not None}
 
     def written_between(self, node: Any, start: int, end: int) -> bool:
         """Whether any storage of ``node`` is written in place strictly between two positions."""
@@ -332,7 +332,8 @@ def _readable_name(node: fx.Node) -> str:
     return str(node.target)
 
 
-def _storage_key(value: Any) -> Any:
+def storage_key(value: Any) -> Any:
+    """A hashable key of a (fake or real) tensor's storage; None for non-tensors / sparse."""
     if not isinstance(value, torch.Tensor) or value.is_sparse:
         return None
     try:

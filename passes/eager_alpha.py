@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
+from collage_compile.accumulators import storage_key
 from collage_compile.mcf import LOW_PRECISION
 
 _ADD_SUB = {"add": 1.0, "sub": -1.0}
@@ -36,8 +37,7 @@ _FOREACH_INPLACE = {torch._foreach_add_: 1.0, torch._foreach_sub_: -1.0}
 
 
 def _alpha(node: fx.Node) -> Any:
-    alpha = node.kwargs.get("alpha", 1)
-    return alpha
+    return node.kwargs.get("alpha", 1)
 
 
 def _lowp(node: Any) -> torch.dtype | None:
@@ -166,13 +166,7 @@ def run(gm: fx.GraphModule) -> int:
 
 
 def _storage(node: Any) -> Any:
-    ex = _compat.example_value(node) if isinstance(node, fx.Node) else None
-    if not isinstance(ex, torch.Tensor):
-        return None
-    try:
-        return _compat.storage_key(ex)
-    except (RuntimeError, NotImplementedError):
-        return None
+    return storage_key(_compat.example_value(node)) if isinstance(node, fx.Node) else None
 
 
 def _persistent_storages(graph: fx.Graph) -> set[Any]:
