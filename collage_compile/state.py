@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from collage_compile import _compat
+from collage_compile import _compat, mcf
 from collage_compile.mcf import LOW_PRECISION
 
 __all__ = ["clear", "components", "empty_lo", "get_lo", "lo_for", "los_overlapping", "value"]
@@ -145,11 +145,8 @@ def components(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def value(t: torch.Tensor) -> torch.Tensor:
     """The fp32 value ``hi + lo`` that the optimizer tracks (``t.float()`` where there is no lo)."""
-    lo = get_lo(t)
     with torch.no_grad():
-        if lo is None:
-            return t.detach().float()
-        return t.detach().float() + lo.float()
+        return mcf.value(t.detach(), get_lo(t))
 
 
 def clear() -> None:
