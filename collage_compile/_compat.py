@@ -51,6 +51,27 @@ def example_value(node: fx.Node) -> Any:
     return meta.get("val")
 
 
+def scalar_hint(x: Any) -> float | None:
+    """A Python number as float; a SymInt/SymFloat as the value it was traced with (its
+    ``node.hint``, private); anything else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        hint = getattr(x.node, "hint", None)
+        return float(hint) if hint is not None else None
+    return None
+
+
+def storage_weakref(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage with ``.expired()`` (the one torch.multiprocessing
+    and FakeTensor use; the storage, not the tensor object, says whether memory lives on)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
 def set_example_value(node: fx.Node, value: Any) -> None:
     node.meta["example_value"] = value
 
@@ -158,6 +179,14 @@ def run_and_get_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, li
     from torch._inductor.utils import run_and_get_code
 
     return run_and_get_code(fn, *args)
+
+
+def captures_scalar_outputs() -> bool:
+    """``torch._dynamo.config.capture_scalar_outputs`` (``Tensor.item()`` traced, not a
+    graph break)."""
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.capture_scalar_outputs)
 
 
 def reset_dynamo() -> None:

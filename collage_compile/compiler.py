@@ -83,14 +83,6 @@ def _config_for(options: dict[str, Any] | None) -> CollageConfig:
     return _config_cached(tuple(sorted((options or {}).items())))
 
 
-def _eligibility(acc: Accumulator, config: CollageConfig) -> tuple[bool, str]:
-    if config.mode == "light":
-        if acc.role == "param":
-            return True, ""
-        return False, "mode='light' upgrades parameters only"
-    return False, f"mode {config.mode!r}"
-
-
 def _may_alias_a_pair(acc: Accumulator) -> bool:
     return not acc.eligible and acc.real is None and acc.role == "tensor"
 
@@ -99,7 +91,7 @@ def compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig
 ) -> Callable[..., Any]:
     """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor."""
-    from collage_compile import passes, rewrite
+    from collage_compile import modes, passes, rewrite
 
     report.watch_fused_optimizers()
     original = gm
@@ -107,10 +99,11 @@ def compile_graph(
     normalized = passes.normalize(gm, config.arithmetic)
     info = GraphInfo(gm, list(example_inputs), config)
     for acc in info.accumulators:
-        acc.eligible, acc.reason = _eligibility(acc, config)
+        acc.eligible, acc.reason = modes.provisional(acc)
 
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
+    modes.select(info, ctx, config)
     unsupported = [w for w in info.writes if w.acc.eligible and w not in ctx.sites]
     rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
     rep.warn_unsupported()
@@ -136,8 +129,11 @@ def compile_graph(
         compiled = _compat.compile_with_inductor(original, example_inputs)
         return _LoInputs(compiled, [], unchained) if unchained else compiled
 
+    # tensors carrying a pair that a chain reads whole (an EMA's parameter) pass their lo in
+    # too, after the upgraded ones
+    with_lo = upgraded + rewrite.pair_readers(info, chains)
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
-    rewrite.add_lo_inputs(gm, upgraded, fake_mode)
+    rewrite.add_lo_inputs(gm, with_lo, fake_mode)
     rewrite.emit(gm, info, chains, unsupported, config.arithmetic)
     gm.graph.lint()
     gm.recompile()
@@ -148,11 +144,11 @@ def compile_graph(
         len(upgraded),
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
-    lo_examples = [_compat.example_value(acc.lo_node) for acc in upgraded]
+    lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, upgraded, unchained)
+    return _LoInputs(compiled, with_lo, unchained)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
@@ -228,7 +224,7 @@ class _LoInputs:
                 los[slot] = state.lo_for(t)
         call_los = list(los)
         for slot, idx in self._by_input:
-            call_los[slot] = state.lo_for(args[idx])
+            call_los[slot] = state.lo_for(args[idx], by_view=True)
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
         written = [(r(), a) for r, a in self._unchained_refs]

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-MODES = ("light",)
+MODES = ("light", "plus", "all")
 ARITHMETICS = ("fp32", "storage")
 
 
@@ -16,7 +16,16 @@ class CollageConfig:
 
     mode:
         ``"light"``: accumulations into parameters (``nn.Parameter`` or leaf tensors that
-        require grad), as in the paper's Collage-light.
+        require grad), as in the paper's Collage-light, and averages of weights (EMA).
+        ``"plus"``: also decay-style accumulators ``x = b*x + (1-b)*y`` with
+        ``b >= plus_min_decay`` (AdamW's second moment, RMSprop's square average), as in
+        the paper's Collage-plus.  ``"all"``: every low-precision accumulator (momentum
+        buffers, first moments, Adagrad sums, BatchNorm running statistics).
+        Persistent cost: 2 bytes per upgraded element (bf16/fp16 lo); see README.
+    plus_min_decay:
+        The smallest decay ``b`` that ``mode="plus"`` upgrades.  bf16 resolves relative
+        changes of 2^-9: an EMA with ``1 - b`` below that never moves, and near it rounds
+        most of each update away.
     arithmetic:
         ``"fp32"``: error-free fp32 double-word arithmetic on the unrounded update, rounded
         once into the (hi, lo) pair, hi to nearest (default; more accurate, same bytes).
@@ -26,10 +35,15 @@ class CollageConfig:
 
     mode: str = "light"
     arithmetic: str = "fp32"
+    plus_min_decay: float = 0.99
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"collage: mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 < self.plus_min_decay < 1.0:
+            raise ValueError(
+                f"collage: plus_min_decay must be in (0, 1), got {self.plus_min_decay!r}"
+            )
         if self.arithmetic not in ARITHMETICS:
             raise ValueError(
                 f"collage: arithmetic must be one of {ARITHMETICS}, got {self.arithmetic!r}"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from collage_compile import _compat
+from collage_compile.accumulators import readable_name, storage_key, written_nodes
 from collage_compile.mcf import LOW_PRECISION as _LOW
 
 log = logging.getLogger("collage_compile")
@@ -34,6 +35,7 @@ class Entry:
     pattern: str  # e.g. "add_", "copy_(fma)", "_fused_adamw_"
     applied: bool
     reason: str = ""
+    warn: bool = False  # not upgraded although the mode asks for it: warned about once
 
 
 @dataclasses.dataclass
@@ -58,12 +60,14 @@ class GraphReport:
             elif not acc.eligible:
                 entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason))
             else:
-                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, _why(w, fused)))
+                why = _why(w, fused)
+                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, why, True))
+        entries.extend(_other_writes(info))
         return cls(entries, config.mode, config.arithmetic)
 
     def warn_unsupported(self) -> None:
         for e in self.entries:
-            if e.applied or e.reason.startswith("mode="):
+            if e.applied or not e.warn:
                 continue
             warn_once(
                 (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason),
@@ -89,6 +93,41 @@ class GraphReport:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def _other_writes(info: Any) -> list[Entry]:
+    """Entries for the graph's inputs it writes that are not low precision (fp32 step
+    counters, fp32 master weights): left as written, nothing to compensate."""
+    written = {
+        k for node in info.gm.graph.nodes for n in written_nodes(node) for k in info.storages_of(n)
+    }
+    if not written:
+        return []
+    low = {storage_key(a.example) for a in info.accumulators}
+    entries = []
+    for node in info.gm.graph.nodes:
+        if node.op not in ("placeholder", "get_attr"):
+            continue
+        ex = _compat.example_value(node)
+        if not isinstance(ex, torch.Tensor) or ex.dtype in _LOW:
+            continue
+        key = storage_key(ex)
+        if key is None or key not in written or key in low:
+            continue
+        shape = tuple(int(s) if _is_int(s) else -1 for s in ex.shape)
+        dtype = str(ex.dtype).replace("torch.", "")
+        entries.append(
+            Entry(
+                readable_name(node),
+                shape,
+                dtype,
+                "tensor",
+                "written",
+                False,
+                f"{dtype} is not low precision: left as written",
+            )
+        )
+    return entries
+
+
 def _is_int(x: Any) -> bool:
     try:
         int(x)
@@ -112,6 +151,7 @@ def _why(write: Any, fused: dict[Any, str]) -> str:
 _fused_hook = None
 _fused_lock = threading.Lock()
 _warn_fused_eagerly: Any = None
+_warn_untraced_eagerly: Any = None
 
 
 def watch_fused_optimizers() -> None:
@@ -132,6 +172,8 @@ def watch_fused_optimizers() -> None:
         # Dynamo graph-breaks on a disabled function and runs it eagerly: the warning is
         # never traced into a graph (only fused optimizers, which run eagerly anyway, reach it)
         _warn_fused_eagerly = torch.compiler.disable(_warn_fused)
+        global _warn_untraced_eagerly
+        _warn_untraced_eagerly = torch.compiler.disable(_warn_untraced)
         _fused_hook = register_optimizer_step_pre_hook(_check_fused)
 
 
@@ -139,8 +181,15 @@ def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
     # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
     # False and adds nothing to the graph.
     for group in optimizer.param_groups:
-        if group.get("fused") and any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
+        if not any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
+            continue
+        if group.get("fused"):
             _warn_fused_eagerly(type(optimizer).__name__)
+            return
+        if isinstance(optimizer, torch.optim.Adafactor) and not (
+            group.get("foreach") and _compat.captures_scalar_outputs()
+        ):
+            _warn_untraced_eagerly(type(optimizer).__name__)
             return
 
 
@@ -151,6 +200,17 @@ def _warn_fused(name: str) -> None:
         f"so its bf16/fp16 parameters are updated in plain low precision (updates below half "
         f"an ulp are lost); construct it with foreach=True (or foreach=False) to have collage "
         f"upgrade it",
+        stacklevel=4,
+    )
+
+
+def _warn_untraced(name: str) -> None:
+    warn_once(
+        ("untraced", name),
+        f"collage: {name}.step calls Tensor.item(), so torch.compile skips it (it runs eagerly "
+        f"and its bf16/fp16 parameters are updated in plain low precision) unless "
+        f"torch._dynamo.config.capture_scalar_outputs = True and the optimizer is built with "
+        f"foreach=True (its single-tensor path then fails in Inductor's lerp lowering)",
         stacklevel=4,
     )
 

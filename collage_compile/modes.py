@@ -1,0 +1,182 @@
+"""Which accumulators a mode upgrades.
+
+Parameters are upgraded in every mode, and so is a tensor passed in that is an exact alias
+of a tensor already carrying a pair (``p.data``, ``p.detach()``: its writes keep the pair
+consistent instead of discarding lo).  Any other low-precision tensor a graph writes is
+offered to the pattern families first; what they make of its writes (its *steps*) then
+decides, here, whether the mode carries it as a pair:
+
+- an *average of weights* (``ema.lerp_(p, 1-d)``, ``ema.mul_(d).add_(p, alpha=1-d)``,
+  ``torch._foreach_lerp_``, ``AveragedModel``, ASGD's ``ax += (p - ax) * mu``): every mode;
+- a *decay-style accumulator* ``x = b*x + (1-b)*y`` with ``b >= plus_min_decay`` (AdamW's
+  second moment at b = 0.999, RMSprop's at 0.99): ``"plus"`` and ``"all"``;
+- any other accumulator (momentum buffers, Adam's first moment, Adagrad sums): ``"all"``.
+
+A tensor that some write changes in a way that is not an accumulation (``max_exp_avg_sq``
+through ``torch.maximum``, a write through a view) is left alone in every mode, with the
+reason in the report: its arithmetic is exact or not ours to change.
+
+Why after matching, not before: whether ``v`` is AdamW's second moment or its first is
+visible only in the constants of its writes (``v.mul_(0.999)`` vs ``m.lerp_(g, 0.1)``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from collage_compile import _compat
+from collage_compile.accumulators import Accumulator, Element, GraphInfo, Step, element_of
+from collage_compile.config import CollageConfig
+from collage_compile.passes._common import is_number
+
+
+def provisional(acc: Accumulator) -> tuple[bool, str]:
+    """Before matching: every low-precision tensor may be claimed (see :func:`select`)."""
+    return True, ""
+
+
+def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
+    """After matching: keep the claims of the tensors ``config.mode`` upgrades, and mark
+    the others ineligible with the reason (their claims are dropped, their writes run as
+    written and are not warned about: leaving them alone is the mode's promise)."""
+    writes_of: dict[Accumulator, list[Any]] = {}
+    for w in info.writes:
+        writes_of.setdefault(w.acc, []).append(w)
+    for acc, writes in writes_of.items():
+        if acc.is_weight or not acc.eligible:  # a parameter, or an alias of a pair's tensor
+            continue
+        reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
+        if reason:
+            acc.eligible, acc.reason = False, reason
+            for w in writes:
+                ctx.sites.pop(w, None)
+
+
+def kind_of(info: GraphInfo, acc: Accumulator, steps: list[Step], config: CollageConfig) -> str:
+    """``"weights-average"``, ``"decay"`` (b >= plus_min_decay) or ``"accumulator"``."""
+    if any(_averages_weights(info, acc, s) for s in steps):
+        return "weights-average"
+    b = _decay_factor(steps)
+    if b is not None and config.plus_min_decay <= b < 1.0:
+        return "decay"
+    return "accumulator"
+
+
+def _reason_to_leave(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
+) -> str:
+    for w in writes:
+        if w not in sites:
+            what = f"{w.op} of a view" if not w.full_alias else w.op
+            return f"written by {what}, which is not an accumulation: left as written"
+    steps = [s for w in writes for s in sites[w].steps]
+    if all(s.kind == "set" for s in steps):
+        return "only overwritten here (no accumulation): left as written"
+    kind = kind_of(info, acc, steps, config)
+    if kind == "weights-average" or config.mode == "all":
+        return ""
+    if config.mode == "plus" and kind == "decay":
+        return ""
+    b = _decay_factor(steps)
+    described = f"decay {b:g}" if b is not None else "no decay factor"
+    if config.mode == "light":
+        return (
+            f"mode='light' upgrades parameters and averages of weights ({described}); "
+            "mode='plus' or 'all' upgrades optimizer state"
+        )
+    return (
+        f"mode='plus' upgrades decay-style state with decay >= {config.plus_min_decay:g} "
+        f"({described}); mode='all' upgrades it"
+    )
+
+
+def _decay_factor(steps: list[Step]) -> float | None:
+    """The ``b`` of ``x = b*x + ...``: a constant factor of a ``mul`` step, or one minus
+    the weight of a ``lerp`` step; None if there is no (known) one."""
+    for s in steps:
+        if s.kind == "mul" and s.update is None:
+            c = _number(s.args[0])
+            if c is not None:
+                return c
+        if s.kind == "lerp":
+            w = _number(s.args[1])
+            if w is not None:
+                return 1.0 - w
+    return None
+
+
+def _number(x: Any) -> float | None:
+    if is_number(x):
+        return float(x)
+    if isinstance(x, fx.Node):
+        return _compat.scalar_hint(_compat.example_value(x))
+    return None
+
+
+# ---- averages of weights -------------------------------------------------------------------
+
+_ALIAS_OPS = {"detach", "to", "float", "type_as", "clone", "contiguous", "view_as"}
+
+
+def _averages_weights(info: GraphInfo, acc: Accumulator, step: Step) -> bool:
+    """Whether a step moves ``acc`` toward a parameter: lerp toward it, add a multiple of
+    it, add a multiple of ``(param - acc)``, or set it to the parameter."""
+    if step.kind == "lerp":
+        return _is_param(info, step.args[0], acc, 0)
+    if step.kind in ("add", "set"):
+        operands = [a for a in step.args if isinstance(a, (fx.Node, Element))]
+        return len(operands) == 1 and _is_param(info, operands[0], acc, 0)
+    return False
+
+
+def _is_param(info: GraphInfo, x: Any, acc: Accumulator, depth: int) -> bool:
+    """``x`` is a parameter, or a scalar multiple / ``param - acc`` of one."""
+    if any(full and a.is_weight for a, full in info.accumulators_of_node(x)):
+        return True
+    if depth > 4:
+        return False
+    node, index = (x.node, x.index) if isinstance(x, Element) else (x, None)
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    name = _op_name(node)
+    args = [element_of(a, index) for a in node.args]
+    tensors = [a for a in args if isinstance(a, (fx.Node, Element)) and not _is_scalar_like(a)]
+    if name in _ALIAS_OPS and tensors:
+        return _is_param(info, tensors[0], acc, depth + 1)
+    if (name == "mul" and len(tensors) == 1) or (name == "div" and tensors[:1] == args[:1]):
+        return len(tensors) == 1 and _is_param(info, tensors[0], acc, depth + 1)
+    if name == "sub" and len(args) >= 2:
+        return _is_param(info, args[0], acc, depth + 1) and any(
+            a is acc for a, _ in info.accumulators_of_node(args[1])
+        )
+    return False
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.target in (operator.mul, operator.imul):
+        return "mul"
+    elif node.target in (operator.sub, operator.isub):
+        return "sub"
+    elif node.target in (operator.truediv, operator.itruediv):
+        return "div"
+    elif _compat.is_op_overload(node.target):
+        name = _compat.op_packet_name(node.target)
+    else:
+        name = getattr(node.target, "__name__", str(node.target))
+    if name.startswith("_foreach_"):
+        name = name[len("_foreach_") :]
+    return name.rstrip("_")
+
+
+def _is_scalar_like(x: Any) -> bool:
+    node, index = (x.node, x.index) if isinstance(x, Element) else (x, None)
+    ex = _compat.example_value(node)
+    if isinstance(ex, (list, tuple)) and index is not None:
+        ex = ex[index]
+    return not isinstance(ex, torch.Tensor) or ex.dim() == 0
