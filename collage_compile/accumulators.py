@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat
+from collage_compile import _compat, state
 from collage_compile.config import CollageConfig
 from collage_compile.mcf import LOW_PRECISION
 
@@ -56,9 +56,15 @@ class Accumulator:
     input_index: int | None  # position among the graph's placeholders, when it is one
     role: str  # "param" (nn.Parameter / leaf requiring grad) or "tensor"
     name: str
+    carries_pair: bool = False  # it (or what it aliases) had a lo when the graph was compiled
     eligible: bool = False
     reason: str = ""  # why it is not eligible
     lo_node: fx.Node | None = None
+
+    @property
+    def is_weight(self) -> bool:
+        """A parameter, or an alias of a tensor carrying a pair (``p.detach()`` passed in)."""
+        return self.role == "param" or self.carries_pair
 
     @property
     def dtype(self) -> torch.dtype:
@@ -244,7 +250,10 @@ class GraphInfo:
                 real=real,
                 input_index=idx,
                 role="param" if is_param else "tensor",
-                name=_readable_name(node),
+                name=readable_name(node),
+                carries_pair=isinstance(probe, torch.Tensor)
+                and not _compat.is_fake(probe)
+                and state.has_pair(probe),
             )
             self._by_storage.setdefault(key, []).append(acc)
             self.accumulators.append(acc)
@@ -322,7 +331,7 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _readable_name(node: fx.Node) -> str:
+def readable_name(node: fx.Node) -> str:
     source = getattr(node, "_dynamo_source", None)
     if source is not None:
         try:

@@ -188,6 +188,63 @@ class _Emitter:
             return type(x)(self.proxy(v) for v in x)
         return x
 
+    def operands(self, args: tuple[Any, ...], info: GraphInfo, own: Accumulator) -> Any:
+        """A step's operands as proxies; an operand that is another tensor carrying a pair
+        (an EMA's parameter) reads its full value hi + lo, in fp32."""
+        out = []
+        for a in args:
+            pair = _pair_of(info, a, own)
+            if pair is None:
+                out.append(self.proxy(a))
+            else:
+                out.append(self.proxy(a).float() + self.proxy(pair.lo_node).float())
+        return tuple(out)
+
+
+def _describe_chain(chain: Chain) -> str:
+    def show(x: Any) -> str:
+        if isinstance(x, fx.Node):
+            return x.name
+        if isinstance(x, Element):
+            return f"{x.node.name}[{x.index}]"
+        if isinstance(x, (list, tuple)):
+            return "[" + ", ".join(show(v) for v in x) + "]"
+        return repr(x)
+
+    steps = []
+    for site in chain.sites:
+        for step in site.steps:
+            fn = f"{step.update.__name__}:" if step.update is not None else ""
+            steps.append(f"{step.kind}({fn}{', '.join(show(a) for a in step.args)})")
+    return f"{chain.acc.node.name} (+{chain.acc.lo_node.name}): " + ", ".join(steps)
+
+
+def _pair_of(info: GraphInfo, x: Any, own: Accumulator) -> Accumulator | None:
+    if not isinstance(x, (fx.Node, Element)):
+        return None
+    for acc, full in info.accumulators_of_node(x):
+        if full and acc is not own and acc.lo_node is not None:
+            return acc
+    return None
+
+
+def pair_readers(info: GraphInfo, chains: list[Chain]) -> list[Accumulator]:
+    """Weights (parameters, or aliases of tensors carrying a pair) that a chain reads as a
+    whole operand (an EMA's ``p``) and that are not upgraded in this graph: they get a lo
+    input too, so the chain reads hi + lo."""
+    chained = {c.acc for c in chains}
+    readers: dict[Accumulator, None] = {}
+    for chain in chains:
+        for site in chain.sites:
+            for step in site.steps:
+                for a in step.args:
+                    if not isinstance(a, (fx.Node, Element)):
+                        continue
+                    for acc, full in info.accumulators_of_node(a):
+                        if full and acc.is_weight and acc not in chained:
+                            readers[acc] = None
+    return list(readers)
+
 
 def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Write]) -> list[Chain]:
     """Group sites into chains (see module docstring)."""
@@ -275,17 +332,24 @@ def emit(
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
+        first_new = last.prev
         with graph.inserting_before(last):
             hi = em.proxy(acc.node)
             lo = em.proxy(acc.lo_node)
             steps = [
-                (step.kind, em.proxy(step.args), step.update)
+                (step.kind, em.operands(step.args, info, acc), step.update)
                 for site in chain.sites
                 for step in site.steps
             ]
             new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype)
             hi.copy_(new_hi)
             lo.copy_(new_lo)
+        # tag the chain's nodes (what a compact printout of the graph folds into one line)
+        summary = _describe_chain(chain)
+        node = first_new.next
+        while node is not last:
+            node.meta["collage_chain"] = summary
+            node = node.next
     # an unsupported write leaves the pair consistent: lo restarts from zero after it
     for w in unsupported:
         if w.acc.lo_node is None:

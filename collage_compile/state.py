@@ -4,6 +4,13 @@ A plain ``WeakKeyDictionary`` would call ``Tensor.__eq__``; ``WeakIdKeyDictionar
 weak reference on every lookup, too slow for a per-step lookup of every parameter.  This is
 an ``id()``-keyed dict whose entries hold a weak reference to their tensor and are removed by
 its finalizer, so a lookup is one dict access plus an identity check.
+
+Tensors passed *into* a compiled function may be fresh aliases made every call
+(``AveragedModel`` passes ``p.detach()`` of each averaged parameter): keyed by identity their
+lo would die with the alias after each step.  They are keyed by *view* instead (storage,
+offset, sizes, strides, dtype), held while the storage lives (a storage weak reference,
+swept lazily), and a lookup by identity falls back to the view, so ``value(ema_param)`` finds
+the pair its ``detach()`` alias carried.
 """
 
 from __future__ import annotations
@@ -24,6 +31,41 @@ _lock = threading.Lock()
 _entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 # storage data pointer -> ids of the registered tensors on it (to find aliases: p.data)
 _by_storage: dict[int, set[int]] = {}
+# view key -> (storage weak reference, lo), for tensors registered by view
+_by_view: dict[tuple, tuple[object, torch.Tensor]] = {}
+_views_live_after_sweep = 0
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+    )
+
+
+def _view_lo(t: torch.Tensor) -> torch.Tensor | None:
+    if not _by_view:
+        return None
+    key = _view_key(t)
+    entry = _by_view.get(key)
+    if entry is None:
+        return None
+    if entry[0].expired():  # the storage died and its address was reused
+        _by_view.pop(key, None)
+        return None
+    return entry[1]
+
+
+def _sweep_views() -> None:
+    global _views_live_after_sweep
+    for key, (ref, _) in list(_by_view.items()):
+        if ref.expired():
+            del _by_view[key]
+    _views_live_after_sweep = len(_by_view)
 
 
 def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
@@ -47,16 +89,26 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     """(owner, lo) for ``t``'s own lo and for every other registered tensor whose elements
     overlap ``t``'s memory (``t`` may be ``p.data`` or ``p.detach()`` of a parameter that
     carries a pair)."""
     own = get_lo(t)
     out = [(t, own)] if own is not None else []
-    ids = _by_storage.get(t.untyped_storage().data_ptr())
+    ptr = t.untyped_storage().data_ptr()
+    start, end = _span(t)
+    for key, (ref, lo) in list(_by_view.items()):
+        if key[0] != ptr or lo is own or ref.expired():
+            continue
+        _, offset, shape, stride = key[:4]
+        o_start = offset * lo.element_size()
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride))
+        o_end = o_start + extent * lo.element_size() if all(shape) else o_start
+        if o_start < end and start < o_end:
+            out.append((None, lo))  # a pair registered by view: no owner object
+    ids = _by_storage.get(ptr)
     if not ids:
         return out
-    start, end = _span(t)
     for key in list(ids):
         entry = _entries.get(key)
         other = entry[0]() if entry is not None else None
@@ -72,8 +124,28 @@ def get_lo(t: torch.Tensor) -> torch.Tensor | None:
     """The lo component of ``t`` if it has one (no allocation)."""
     entry = _entries.get(id(t))
     if entry is None or entry[0]() is not t:
-        return None
+        return _view_lo(t)
     return entry[1]
+
+
+def has_pair(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is an exact alias of) carries a lo component."""
+    return get_lo(t) is not None or _exact_alias_lo(t) is not None
+
+
+def _exact_alias_lo(t: torch.Tensor) -> torch.Tensor | None:
+    """The lo of a tensor registered by identity that is exactly ``t``'s view (``t`` is
+    its ``detach()`` or ``.data``)."""
+    ids = _by_storage.get(t.untyped_storage().data_ptr())
+    if not ids:
+        return None
+    key = _view_key(t)
+    for i in list(ids):
+        entry = _entries.get(i)
+        other = entry[0]() if entry is not None else None
+        if other is not None and other is not t and _view_key(other) == key:
+            return entry[1]
+    return None
 
 
 def empty_lo(t: torch.Tensor) -> torch.Tensor:
@@ -96,8 +168,12 @@ def _fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
     )
 
 
-def lo_for(t: torch.Tensor) -> torch.Tensor:
+def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
     """The lo component of ``t``, allocated as zeros on first use.
+
+    ``by_view``: ``t`` may be an alias made for this call (an argument of a compiled
+    function): use the pair of the tensor it is an exact alias of, else register the new lo
+    by view, alive while the storage is.
 
     A lo that no longer fits its tensor (``module.half()`` or ``param.data = ...`` changed
     the dtype, shape, device or layout under it) describes a value that is gone: it is
@@ -108,6 +184,16 @@ def lo_for(t: torch.Tensor) -> torch.Tensor:
         return lo
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
+    if by_view:
+        lo = _exact_alias_lo(t)
+        if lo is not None and _fits(lo, t):
+            return lo
+        with _lock, torch.no_grad():
+            lo = empty_lo(t).zero_()
+            if len(_by_view) >= 2 * _views_live_after_sweep + 64:
+                _sweep_views()
+            _by_view[_view_key(t)] = (_compat.storage_weakref(t), lo)
+        return lo
     with _lock:
         lo = get_lo(t)
         if lo is None or not _fits(lo, t):
@@ -151,11 +237,16 @@ def value(t: torch.Tensor) -> torch.Tensor:
 
 def clear() -> None:
     """Forget every lo component (tests; a fresh start)."""
+    global _views_live_after_sweep
     with _lock:
         _entries.clear()
         _by_storage.clear()
+        _by_view.clear()
+        _views_live_after_sweep = 0
 
 
 def count() -> int:
     """How many tensors currently carry a lo component."""
-    return len(_entries)
+    with _lock:
+        _sweep_views()
+    return len(_entries) + len(_by_view)
