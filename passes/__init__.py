@@ -1,7 +1,7 @@
 """Pattern families that turn writes to accumulators into MCF steps, in the order they run.
 
-1. ``additive``  -- ``add_``, ``sub_``, ``addcdiv_``, ``addcmul_`` (method, ``+=`` and foreach forms)
-2. ``lerp``      -- ``lerp_`` (EMA-style interpolation)
+1. ``lerp``      -- ``lerp_`` (EMA-style interpolation), also as Dynamo traces ``_foreach_lerp_``
+2. ``additive``  -- ``add_``, ``sub_``, ``addcdiv_``, ``addcmul_`` (method, ``+=`` and foreach forms)
 3. ``decay``     -- ``mul_``, ``div_``, ``neg_`` by a constant or tensor (weight decay)
 4. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
 
@@ -27,8 +27,8 @@ from typing import Any
 from collage_compile.passes import additive, copy_expr, decay, eager_alpha, lerp
 
 FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
-    ("additive", additive.match),
     ("lerp", lerp.match),
+    ("additive", additive.match),
     ("decay", decay.match),
     ("copy_expr", copy_expr.match),
 )
