@@ -96,7 +96,7 @@ def compile_graph(
     report.watch_fused_optimizers()
     original = gm
     gm = _compat.copy_graph_module(gm)
-    normalized = passes.normalize(gm, config.arithmetic)
+    normalized = passes.normalize(gm, config)
     info = GraphInfo(gm, list(example_inputs), config)
     for acc in info.accumulators:
         acc.eligible, acc.reason = modes.provisional(acc)

@@ -5,10 +5,12 @@
 3. ``decay``     -- ``mul_``, ``div_``, ``neg_`` by a constant or tensor (weight decay)
 4. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
 
-Before them, for ``arithmetic="storage"`` only, one normalization runs on the graph:
+Before them, normalizations run on the graph where the configuration asks for them:
 
-0. ``eager_alpha`` -- ``a.add(b, alpha=c)`` on bf16/fp16 spelled out in fp32 with one cast, so
-   it rounds once as eager does (see its docstring for the Inductor behaviour it avoids)
+0. ``eager_alpha`` (``arithmetic="storage"``) -- ``a.add(b, alpha=c)`` on bf16/fp16 spelled
+   out in fp32 with one cast, so it rounds once as eager does (see its docstring)
+0. ``batch_norm`` (``mode="all"``) -- a training-mode ``F.batch_norm``'s running statistics
+   spelled out as two ``lerp_`` writes, which the lerp family then claims
 
 Each family is ``match(info, ctx) -> int``: it claims the writes it understands (turning each
 into :class:`collage_compile.accumulators.Step` s) and returns how many it claimed.  A write no
@@ -24,7 +26,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from collage_compile.passes import additive, copy_expr, decay, eager_alpha, lerp
+from collage_compile.passes import additive, batch_norm, copy_expr, decay, eager_alpha, lerp
 
 FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
     ("lerp", lerp.match),
@@ -34,16 +36,16 @@ FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
 )
 
 
-STORAGE_NORMALIZATIONS: tuple[tuple[str, Callable[..., int]], ...] = (
-    ("eager_alpha", eager_alpha.run),
+# (name, applies to a configuration, normalization)
+NORMALIZATIONS: tuple[tuple[str, Callable[[Any], bool], Callable[..., int]], ...] = (
+    ("batch_norm", lambda config: config.mode == "all", batch_norm.run),
+    ("eager_alpha", lambda config: config.arithmetic == "storage", eager_alpha.run),
 )
 
 
-def normalize(gm: Any, arithmetic: str) -> dict[str, int]:
-    """Graph normalizations that an arithmetic needs before accumulators are found."""
-    if arithmetic != "storage":
-        return {}
-    return {name: fn(gm) for name, fn in STORAGE_NORMALIZATIONS}
+def normalize(gm: Any, config: Any) -> dict[str, int]:
+    """Graph normalizations the configuration needs before accumulators are found."""
+    return {name: fn(gm) for name, applies, fn in NORMALIZATIONS if applies(config)}
 
 
 def run(info: Any, ctx: Any) -> dict[str, int]:
@@ -54,6 +56,6 @@ def run(info: Any, ctx: Any) -> dict[str, int]:
 def uuid() -> str:
     """Hash of every family's source, so a changed pass changes cache keys."""
     h = hashlib.sha256()
-    for _, fn in (*STORAGE_NORMALIZATIONS, *FAMILIES):
+    for fn in (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES)):
         h.update(inspect.getsource(inspect.getmodule(fn)).encode())
     return h.hexdigest()[:16]
