@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+import pathlib
 import re
 
 import pytest
@@ -35,17 +38,68 @@ def normalize_gm(text: str) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x...", out)
 
 
+def compact_graph(gm: torch.fx.GraphModule) -> str:
+    """A graph one line per node, each emitted MCF chain folded into one line naming the
+    tensor, its lo input and its steps (the full arithmetic is pinned by test_snapshots)."""
+    import torch.fx as fx
+
+    def show(x):
+        if isinstance(x, fx.Node):
+            return x.name
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(show(v) for v in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k}={show(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, float):
+            return repr(round(x, 12))
+        return re.sub(r"0x[0-9a-f]+", "0x...", str(x))
+
+    def target(node):
+        if node.op == "call_method":
+            return f".{node.target}"
+        if node.op in ("call_function",):
+            name = getattr(node.target, "__name__", str(node.target))
+            mod = getattr(node.target, "__module__", "") or ""
+            return f"{mod.replace('torch._ops.', '')}.{name}" if "ops" in mod else name
+        return node.op
+
+    lines, last = [], None
+    for node in gm.graph.nodes:
+        chain = node.meta.get("collage_chain")
+        if chain is not None:
+            if chain != last:
+                lines.append(f"MCF {chain}")
+            last = chain
+            continue
+        last = None
+        if node.op in ("placeholder", "get_attr"):
+            ex = node.meta.get("example_value")
+            dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
+            lines.append(f"{node.op} {node.name} {dtype}")
+        elif node.op == "output":
+            lines.append(f"output {show(node.args)}")
+        else:
+            args = ", ".join(
+                [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs.items()]
+            )
+            lines.append(f"{node.name} = {target(node)}({args})")
+    return "\n".join(lines)
+
+
 class GraphCapture:
     """Records the graph module the backend hands to Inductor (after the rewrite)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.graphs: list[str] = []
+        self.compact: list[str] = []
         original = _compat.compile_with_inductor
 
         def spy(gm, example_inputs, config_patches=None):
             self.graphs.append(
                 gm.print_readable(print_output=False, include_stride=False, include_device=False)
             )
+            self.compact.append(compact_graph(gm))
             return original(gm, example_inputs, config_patches)
 
         monkeypatch.setattr(_compat, "compile_with_inductor", spy)
@@ -84,3 +138,23 @@ def eager_grow(hi: torch.Tensor, lo: torch.Tensor, u: torch.Tensor):
     lo = lo + (u - (s - hi))
     hi = s + lo
     return hi, lo - (hi - s)
+
+
+SNAPSHOTS = pathlib.Path(__file__).parent / "snapshots"
+
+
+def assert_snapshot(name: str, text: str) -> None:
+    """``text`` equals ``tests/snapshots/<name>.txt``; ``EXPECTTEST_ACCEPT=1`` (expecttest's
+    switch, as for the inline snapshots) rewrites the file instead.  Review the diff."""
+    path = SNAPSHOTS / f"{name}.txt"
+    if os.environ.get("EXPECTTEST_ACCEPT"):
+        SNAPSHOTS.mkdir(exist_ok=True)
+        path.write_text(text + "\n")
+        return
+    assert path.exists(), f"no snapshot {path}: run with EXPECTTEST_ACCEPT=1 and review it"
+    expected = path.read_text().rstrip("\n")
+    if text != expected:
+        diff = "\n".join(
+            difflib.unified_diff(expected.splitlines(), text.splitlines(), "expected", "actual")
+        )
+        raise AssertionError(f"graph snapshot {name} changed:\n{diff}")

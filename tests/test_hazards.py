@@ -309,9 +309,32 @@ def test_storage_arithmetic_adds_a_python_scalar_like_eager_bf16_grow():
 
 
 @pytest.mark.parametrize("alias", ["data", "detach"])
-def test_writing_p_data_passed_in_restarts_the_parameters_lo_and_says_so(alias):
-    """p.data is a plain tensor to Dynamo: light mode does not upgrade writes to it, but the
-    parameter's pair must not keep a lo that no longer belongs to its hi."""
+def test_p_data_passed_in_shares_the_parameters_pair(alias):
+    """p.data / p.detach() is a plain tensor to Dynamo, but an exact alias of a parameter
+    that carries a pair: its writes are upgraded on that pair (an update accumulates into
+    it, an overwrite resets lo) instead of leaving a lo that no longer belongs to its hi."""
+    update = torch.compile(lambda p, g: p.add_(g, alpha=-1e-3), backend=collage_compile.backend)
+    reset = torch.compile(lambda t: t.fill_(1.0), backend=collage_compile.backend)
+    p = _param(n=64)
+    view = (lambda: p.data) if alias == "data" else (lambda: p.detach())
+    ref = p.detach().double().clone()
+    with torch.no_grad():
+        update(p, torch.zeros(64, dtype=torch.bfloat16))  # p carries a pair from here on
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for g in grad_stream(64, 20):
+                update(view(), g)
+                ref -= 1e-3 * g.double()
+            assert relative_error(collage_compile.value(p), ref, p.detach().double()) < 0.05
+            assert collage_compile.components(p)[1].abs().sum() > 0
+            reset(view())
+    assert torch.equal(collage_compile.value(p), torch.ones(64))
+    assert not collage_compile.components(p)[1].any()
+
+
+def test_writing_part_of_a_parameter_passed_in_restarts_its_lo_and_says_so():
+    """A partial alias (a slice of p.data) is not the pair's tensor: its write is not
+    upgraded, and the parameter's lo, no longer matching its hi, restarts with a warning."""
     update = torch.compile(lambda p, g: p.add_(g, alpha=-1e-3), backend=collage_compile.backend)
     reset = torch.compile(lambda t: t.fill_(1.0), backend=collage_compile.backend)
     p = _param(n=64)
@@ -320,5 +343,6 @@ def test_writing_p_data_passed_in_restarts_the_parameters_lo_and_says_so(alias):
             update(p, g)
         assert collage_compile.components(p)[1].abs().sum() > 0
         with pytest.warns(collage_compile.CollageWarning, match=r"shares memory with a parameter"):
-            reset(p.data if alias == "data" else p.detach())
-    assert torch.equal(collage_compile.value(p), torch.ones(64))
+            reset(p.data[:32])
+    assert torch.equal(collage_compile.value(p)[:32], torch.ones(32))
+    assert not collage_compile.components(p)[1].any()

@@ -104,21 +104,6 @@ STREAMS = {
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_collage_tracks_float64_where_plain_bf16_loses_the_updates(name, foreach):
-    steps, scale, mean, std = STREAMS[name]
-    err, params = run_stream(name, foreach, collage_compile.backend, steps, scale, mean, std)
-    plain_err, _ = run_stream(name, foreach, None, steps, scale, mean, std)
-    print(f"{name} foreach={foreach}: collage {err:.2e}  plain bf16 {plain_err:.2e}")
-    assert err <= 0.02
-    assert plain_err >= 25 * err
-    assert plain_err >= 0.5  # the stream really is one where plain bf16 loses most updates
-    for p in params:
-        _, lo = collage_compile.components(p)
-        assert lo is not None and lo.dtype == p.dtype and lo.shape == p.shape
-
-
-@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 def test_sgd_done_criterion_stream(foreach):
     """lr=1e-3, grads 0.01 +- 0.005, weights N(0, 0.5^2), 300 steps (the issue's numbers)."""
     err, _ = run_stream("sgd", foreach, collage_compile.backend, 300, 0.5, 0.01, 0.005)

@@ -1,0 +1,322 @@
+"""Modes (light / plus / all) and averages of weights (EMA), compiled, against float64.
+
+``python -m pytest tests/test_modes.py -s`` prints the numbers README quotes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import relative_error
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import collage_compile
+from collage_compile import report
+
+# ---- plus: the second moment ---------------------------------------------------------------
+
+
+def _second_moment_ratio(mode: str, foreach: bool, steps: int = 2000, n: int = 2048) -> float:
+    """AdamW, beta2 = 0.999, bf16, grads ~1e-3: median over elements of
+    value(exp_avg_sq) / (float64 EMA of g^2 over the same grads)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01, foreach=foreach)
+    step = torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))
+    v64 = torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):
+        grad = (1e-3 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        p.grad = grad
+        step()
+        v64.mul_(0.999).add_(grad.double().square(), alpha=0.001)
+    v = collage_compile.value(opt.state[p]["exp_avg_sq"]).double()
+    return (v / v64).median().item()
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_plus_mode_second_moment_tracks_the_float64_ema(foreach):
+    """The issue's criterion: median ratio within [0.995, 1.005] over 2000 steps.  In light
+    mode the bf16 second moment (bf16(0.999) == 1: ``v * 0.999`` rounds back to ``v``)
+    drifts far off; printed beside it, and required to be off, so a plus mode that
+    silently stopped upgrading ``v`` fails."""
+    plus = _second_moment_ratio("plus", foreach)
+    light = _second_moment_ratio("light", foreach)
+    print(f"AdamW exp_avg_sq / float64 EMA, foreach={foreach}: plus {plus:.5f}  light {light:.4f}")
+    assert 0.995 <= plus <= 1.005
+    assert abs(light - 1) >= 0.05
+
+
+def _adamw_report(mode: str, amsgrad: bool = False) -> list[report.Entry]:
+    p = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3, amsgrad=amsgrad, foreach=False)
+    p.grad = torch.full_like(p, 0.01)
+    torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))()
+    (rep,) = report.reports()[-1:]
+    return rep.entries
+
+
+def _entry(entries, state_key_suffix: str, pattern_prefix: str = "") -> report.Entry:
+    found = [
+        e
+        for e in entries
+        if e.tensor.endswith(state_key_suffix) and e.pattern.startswith(pattern_prefix)
+    ]
+    assert found, [(e.tensor, e.pattern) for e in entries]
+    return found[0]
+
+
+def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
+    # Dynamo names AdamW's state by insertion order: _0 step, _1 exp_avg, _2 exp_avg_sq, _3 max
+    light = _adamw_report("light")
+    plus = _adamw_report("plus", amsgrad=True)
+    every = _adamw_report("all", amsgrad=True)
+    assert all(e.applied for e in light if e.role == "param")
+    assert not _entry(light, "____2").applied  # exp_avg_sq
+    assert "mode='light'" in _entry(light, "____2").reason
+    assert _entry(plus, "____2").applied
+    assert not _entry(plus, "____1").applied  # exp_avg: decay 0.9 < 0.99
+    assert "decay 0.9" in _entry(plus, "____1").reason
+    assert _entry(every, "____1").applied and _entry(every, "____2").applied
+    for entries in (plus, every):
+        maximum = _entry(entries, "____3")  # max_exp_avg_sq, written by torch.maximum(out=)
+        assert not maximum.applied and "not an accumulation" in maximum.reason
+        step = _entry(entries, "____0")
+        assert not step.applied and "float32 is not low precision" in step.reason
+    print(report.reports()[-1].format())
+
+
+def test_all_mode_tracks_adam_state_that_plus_leaves():
+    """mode='all' carries Adam's first moment too: its value tracks a float64 first moment
+    fed the same grads, which the bf16 one cannot (b1 = 0.9 on grads of mixed sign)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(512, generator=g).to(torch.bfloat16))
+    opt = torch.optim.Adam([p], lr=1e-5, betas=(0.99, 0.999), foreach=True)
+    step = torch.compile(opt.step, backend=collage_compile.make_backend(mode="all"))
+    m64 = torch.zeros(512, dtype=torch.float64)
+    m_plain = torch.zeros(512, dtype=torch.bfloat16)
+    mean = torch.randn(512, generator=g) * 1e-3
+    for _ in range(300):
+        grad = (mean + 1e-4 * torch.randn(512, generator=g)).to(torch.bfloat16)
+        p.grad = grad
+        step()
+        m64.lerp_(grad.double(), 0.01)
+        m_plain.lerp_(grad, 0.01)
+    m = collage_compile.value(opt.state[p]["exp_avg"]).double()
+    err = ((m - m64).norm() / m64.norm()).item()
+    plain = ((m_plain.double() - m64).norm() / m64.norm()).item()
+    print(f"Adam first moment, mode='all': {err:.2e}  plain bf16 {plain:.2e}")
+    assert err <= 0.01 and plain >= 10 * err
+
+
+# ---- averages of weights -------------------------------------------------------------------
+
+
+def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light"):
+    """bf16 weights moved by collage SGD along a drift; an EMA of them updated by ``form``.
+
+    Returns (error of the compiled EMA vs a float64 EMA of the weights' full values, error
+    of the same EMA in plain bf16 vs a float64 EMA of the bf16 weights), each relative to
+    the reference EMA's movement."""
+    g = torch.Generator().manual_seed(0)
+    n = 2048
+    params = [torch.nn.Parameter((0.02 * torch.randn(n, generator=g)).to(torch.bfloat16))]
+    emas = [p.detach().clone() for p in params]
+    plain = [p.detach().clone() for p in params]
+    backend = collage_compile.make_backend(mode=mode)
+    opt = torch.optim.SGD(params, lr=1e-2)
+    opt_step = torch.compile(opt.step, backend=backend)
+
+    @torch.no_grad()
+    def ema_update(emas, params):
+        if form == "lerp_":
+            for e, p in zip(emas, params):
+                e.lerp_(p, 1 - d)
+        elif form == "mul_+add_":
+            for e, p in zip(emas, params):
+                e.mul_(d).add_(p, alpha=1 - d)
+        else:
+            torch._foreach_lerp_(emas, params, 1 - d)
+
+    compiled_ema = torch.compile(ema_update, backend=backend)
+    ref = [e.double() for e in emas]
+    ref_plain = [e.double() for e in plain]
+    start = [e.double() for e in emas]
+    direction = [torch.randn(n, generator=g) * drift for _ in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for _ in range(steps):
+            for p, v in zip(params, direction):
+                noise = 0.5 * drift * torch.randn(n, generator=g)
+                p.grad = (-(v + noise) / (steps * 1e-2)).to(torch.bfloat16)
+            opt_step()
+            compiled_ema(emas, params)
+            ema_update(plain, params)
+            for r, p in zip(ref, params):
+                r.lerp_(collage_compile.value(p).double(), 1 - d)
+            for r, p in zip(ref_plain, params):
+                r.lerp_(p.detach().double(), 1 - d)
+
+    def cat(ts):
+        return torch.cat([t.flatten() for t in ts])
+
+    err = relative_error(cat([collage_compile.value(e) for e in emas]), cat(ref), cat(start))
+    plain_err = relative_error(cat(plain), cat(ref_plain), cat(start))
+    return err, plain_err, emas
+
+
+EMA_CASES = [
+    # (d, form, drift of the weights over the run, steps)
+    (0.995, "lerp_", 0.005, 600),
+    (0.999, "mul_+add_", 0.02, 600),
+    (0.999, "_foreach_lerp_", 0.02, 600),
+    (0.9999, "lerp_", 0.02, 1000),
+]
+
+
+@pytest.mark.parametrize(("d", "form", "drift", "steps"), EMA_CASES)
+def test_an_ema_of_bf16_weights_tracks_float64(d, form, drift, steps):
+    """Within 2 % of its movement for d = 0.995 .. 0.9999 (the issue's criterion); plain
+    bf16 loses most of the movement (each step is far below half an ulp).  Light mode: an
+    average of weights is upgraded in every mode, and reads the weights' hi + lo."""
+    err, plain_err, emas = _ema_run(d, form, drift, steps)
+    print(f"EMA d={d} {form}: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert err <= 0.02
+    assert plain_err >= 0.5
+    assert all(collage_compile.components(e)[1] is not None for e in emas)
+
+
+def test_averaged_model_with_ema_multi_avg_fn_is_upgraded():
+    """torch.optim.swa_utils.AveragedModel passes ``p.detach()`` of its averaged params each
+    call: the pair is kept by storage, and ``value(ema_param)`` finds it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=False)
+    plain_ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt_step = torch.compile(opt.step, backend=collage_compile.backend)
+    update = torch.compile(ema.update_parameters, backend=collage_compile.backend)
+    ref = ref_plain = start = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for t in range(300):
+            for p in model.parameters():
+                p.grad = (0.2 * torch.randn_like(p, dtype=torch.float32) + 0.1).to(torch.bfloat16)
+            opt_step()
+            update(model)
+            plain_ema.update_parameters(model)
+            if t == 0:  # the first call copies the weights
+                start = [e.detach().double().clone() for e in ema.module.parameters()]
+                ref, ref_plain = [s.clone() for s in start], [s.clone() for s in start]
+                continue
+            for r, rp, p in zip(ref, ref_plain, model.parameters()):
+                r.lerp_(collage_compile.value(p).double(), 0.001)
+                rp.lerp_(p.detach().double(), 0.001)
+
+    def cat(ts):
+        return torch.cat([t.flatten() for t in ts])
+
+    err = relative_error(
+        cat([collage_compile.value(e) for e in ema.module.parameters()]), cat(ref), cat(start)
+    )
+    plain_err = relative_error(
+        cat([e.detach() for e in plain_ema.module.parameters()]), cat(ref_plain), cat(start)
+    )
+    print(f"AveragedModel EMA d=0.999: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert err <= 0.02 and plain_err >= 0.5
+    assert all(collage_compile.components(e)[1] is not None for e in ema.module.parameters())
+
+
+def test_bytes_per_parameter_of_each_mode():
+    """README's table: persistent bytes per parameter of an AdamW bf16 run by mode (param,
+    exp_avg, exp_avg_sq, and the lo components the backend holds)."""
+    out = {}
+    for mode in ("light", "plus", "all"):
+        collage_compile.state.clear()
+        params = [torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))]
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))()
+        n = sum(p.numel() for p in params)
+        state = sum(
+            v.numel() * v.element_size()
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+        tensors = [p for p in params] + [
+            v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        ]
+        lo = sum(
+            lo.numel() * lo.element_size()
+            for t in tensors
+            if (lo := collage_compile.components(t)[1]) is not None
+        )
+        out[mode] = (2 * n + state + lo) / n
+        torch._dynamo.reset()
+    print("AdamW persistent bytes/param:", {k: round(v, 2) for k, v in out.items()})
+    assert out == {"light": 8.0, "plus": 10.0, "all": 12.0}
+
+
+def test_plus_min_decay_is_validated():
+    with pytest.raises(ValueError, match="plus_min_decay"):
+        collage_compile.make_backend(mode="plus", plus_min_decay=1.0)
+
+
+# ---- BatchNorm running statistics (mode="all") ----------------------------------------------
+
+
+def test_all_mode_carries_batchnorm_running_statistics():
+    """bf16 BatchNorm, momentum 0.01, settled statistics (channel means ~2, variance 0.25)
+    while the data drifts slowly: each update of the running mean is ~3e-4 of it, far below
+    half a bf16 ulp, so the plain bf16 running mean stays frozen (the variance, noisier,
+    moves in coarse steps).  mode='all' tracks a
+    float64 EMA of the same batch statistics; the output is bit-identical to plain
+    Inductor's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    centers = 2.0 + 0.1 * torch.randn(16, generator=g)
+    modules = []
+    for _ in range(2):
+        bn = torch.nn.BatchNorm1d(16, momentum=0.01).to(torch.bfloat16)
+        with torch.no_grad():
+            bn.running_mean.copy_(centers)
+            bn.running_var.fill_(0.25)
+        modules.append(bn)
+    bn, plain = modules
+    compiled = torch.compile(bn, backend=collage_compile.make_backend(mode="all"))
+    compiled_plain = torch.compile(plain, backend="inductor")
+    mean64 = bn.running_mean.double().clone()
+    var64 = bn.running_var.double().clone()
+    start = (mean64.clone(), var64.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for t in range(300):
+            spread = 0.5 + 0.1 * t / 300
+            x = centers + 0.2 * t / 300 + spread * torch.randn(64, 16, generator=g)
+            x = x.to(torch.bfloat16)
+            y = compiled(x)
+            assert torch.equal(y, compiled_plain(x))
+            xd = x.double()
+            mean64.lerp_(xd.mean(0), 0.01)
+            var64.lerp_(xd.var(0, correction=1), 0.01)
+    errs = [
+        relative_error(collage_compile.value(bn.running_mean), mean64, start[0]),
+        relative_error(collage_compile.value(bn.running_var), var64, start[1]),
+    ]
+    plain_errs = [
+        relative_error(plain.running_mean, mean64, start[0]),
+        relative_error(plain.running_var, var64, start[1]),
+    ]
+    print(
+        f"BatchNorm running mean / var, mode='all': {errs[0]:.2e} / {errs[1]:.2e}  "
+        f"plain bf16 {plain_errs[0]:.2e} / {plain_errs[1]:.2e}"
+    )
+    assert max(errs) <= 0.02
+    assert plain_errs[0] >= 0.5  # the running mean: frozen in plain bf16
+    assert all(p >= 10 * e for p, e in zip(plain_errs, errs))
+    assert collage_compile.components(bn.running_mean)[1] is not None
+    entries = [e for r in report.reports() for e in r.entries if "running" in e.tensor]
+    assert entries and all(e.applied for e in entries)
