@@ -114,6 +114,9 @@ class Site:
     write: Write
     steps: list[Step]
     pattern: str
+    # nodes that read the tensor only to compute this write (``copy_``'s source expression,
+    # used by nothing else): they go with the write, so their reads do not end its chain
+    consumed: frozenset[fx.Node] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

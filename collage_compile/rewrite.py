@@ -7,7 +7,8 @@ write: the pair is loaded, every step applied in MCF arithmetic, the result roun
 Inductor fuses the chain into the kernel that already computes the update.
 
 A chain is closed early when something reads the tensor (the reader must see the rounded
-hi), or when an operand of one of its steps is written before the chain would be emitted
+hi; a ``copy_`` source expression used only by its ``copy_`` does not count: it is removed
+with the write), or when an operand of one of its steps is written before the chain would be emitted
 (emission reads operands late).
 """
 
@@ -158,10 +159,16 @@ class MatchContext:
             ):
                 yield w
 
-    def claim(self, write: Write, steps: list[Step], pattern: str) -> None:
+    def claim(
+        self,
+        write: Write,
+        steps: list[Step],
+        pattern: str,
+        consumed: frozenset[fx.Node] = frozenset(),
+    ) -> None:
         if write in self.sites:
             raise AssertionError(f"write {write.node} claimed twice")
-        self.sites[write] = Site(write, steps, pattern)
+        self.sites[write] = Site(write, steps, pattern, consumed)
 
 
 # ---- emission -----------------------------------------------------------------------------
@@ -256,6 +263,9 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
         unsupported_at.setdefault(w.node, []).append(w)
     open_chains: dict[Accumulator, Chain] = {}
     chains: list[Chain] = []
+    consumed: dict[Accumulator, set[fx.Node]] = {}
+    for site in sites.values():
+        consumed.setdefault(site.write.acc, set()).update(site.consumed)
 
     def close(acc: Accumulator) -> None:
         chain = open_chains.pop(acc, None)
@@ -269,7 +279,8 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
         #    view of its storage); the operands a node only writes are not reads
         for n in read_nodes(node):
             for acc, _ in info.accumulators_of_node(n):
-                close(acc)
+                if node not in consumed.get(acc, ()):
+                    close(acc)
         # 2. what this node writes (any tensor, temporaries included): a chain that would
         #    read it later as an operand is closed first; an unsupported write ends the
         #    chain of its own tensor

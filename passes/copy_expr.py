@@ -75,7 +75,12 @@ def match(info: GraphInfo, ctx: Any) -> int:
             if steps is None:  # the source does not read the tensor
                 ctx.claim(write, [Step("set", (args[0],))], pattern="copy_(overwrite)")
             else:
-                ctx.claim(write, steps, pattern=f"copy_({walker.describe()})")
+                ctx.claim(
+                    write,
+                    steps,
+                    pattern=f"copy_({walker.describe()})",
+                    consumed=walker.consumed(write.node),
+                )
             n += 1
     return n
 
@@ -164,10 +169,19 @@ class _Walker:
         self.acc = acc
         self.at = at
         self.ops: list[str] = []
+        self.path: list[fx.Node] = []  # the nodes the successful walk went through
         self._memo: dict[fx.Node, bool] = {}
 
     def describe(self) -> str:
         return "->".join(self.ops) or "identity"
+
+    def consumed(self, write: fx.Node) -> frozenset[fx.Node]:
+        """The walked nodes, if nothing but the walk and the write uses any of them (they
+        are then removed with the write); else none."""
+        allowed = {*self.path, write}
+        if all(set(n.users) <= allowed for n in self.path):
+            return frozenset(self.path)
+        return frozenset()
 
     def depends(self, x: Any) -> bool:
         """Whether ``x`` reads the tensor (through any view of its storage)."""
@@ -207,15 +221,17 @@ class _Walker:
         for label, path, steps, operands in self._rules(node):
             if not self.depends(path):
                 continue
-            mark = len(self.ops)
+            mark, path_mark = len(self.ops), len(self.path)
             try:
                 inner = self._walk(path, here)
                 self._operand(operands, here)
             except _Unsupported:
                 del self.ops[mark:]
+                del self.path[path_mark:]
                 continue
             if label:
                 self.ops.append(label)
+            self.path.append(node)
             return [*inner, *steps]
         raise _Unsupported
 

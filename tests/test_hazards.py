@@ -346,3 +346,27 @@ def test_writing_part_of_a_parameter_passed_in_restarts_its_lo_and_says_so():
             reset(p.data[:32])
     assert torch.equal(collage_compile.value(p)[:32], torch.ones(32))
     assert not collage_compile.components(p)[1].any()
+
+
+def test_a_copy_source_used_elsewhere_keeps_the_chain_split():
+    """``p.mul_(c); t = p + u; p.copy_(t)`` is one chain when ``t`` serves only the copy_
+    (ASGD's single-tensor step); when ``t`` is also returned, it must be computed from the
+    decayed ``p`` at its own position, so the chain is closed before it."""
+
+    def step(p, g):
+        p.mul_(0.5)
+        t = p + g * 0.25
+        p.copy_(t)
+        return t * 2
+
+    compiled = torch.compile(step, backend=collage_compile.backend)
+    p = _param(n=64)
+    start = p.detach().float().clone()
+    ref = p.detach().clone()
+    g = torch.ones(64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = compiled(p, g)
+        expected = step(ref, g)
+    assert torch.equal(out, expected)  # t read the decayed p, as in eager
+    assert torch.equal(p.detach(), ref)  # hi: rounded to nearest, as eager
+    assert torch.equal(collage_compile.value(p), start * 0.5 + 0.25)  # hi + lo: exact
