@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from collage_compile import _compat
 from collage_compile.accumulators import Element, GraphInfo, Step, element_of
 from collage_compile.passes._common import bind, is_number
 
@@ -58,7 +59,66 @@ def match(info: GraphInfo, ctx: Any) -> int:
             if step is not None:
                 ctx.claim(write, [step], pattern="lerp_ (as addcmul_)")
                 n += 1
+        elif write.op == "add_":
+            step = _scaled_difference(info, write)
+            if step is not None:
+                ctx.claim(write, [step], pattern="lerp_ (as add_((end - x) * w))")
+                n += 1
     return n
+
+
+def add_(other: Any, alpha: Any = 1) -> None:
+    """Signature of ``Tensor.add_``."""
+
+
+def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
+    """``x.add_((end - x) * w)`` (ASGD's ``ax.add_(p.sub(ax).mul_(mu))``, a hand-written
+    EMA): a lerp toward ``end`` with weight ``w`` (a number or a 0-dim tensor), if neither
+    ``x`` nor ``end`` is written between the subtraction and this write."""
+    args = bind(add_, write.args, write.kwargs)
+    if args is None or not is_number(args[1]) or args[1] != 1:
+        return None
+    product = args[0]
+    index = None
+    if isinstance(product, Element):
+        product, index = product.node, product.index
+    if not isinstance(product, fx.Node) or product.kwargs or len(product.args) != 2:
+        return None
+    name = _op_name(product)
+    if name not in ("mul", "mul_"):
+        return None
+    a, b = (element_of(x, index) for x in product.args)
+    for diff, weight in ((a, b), (b, a)):
+        if not _scalar_like(weight):
+            continue
+        end = _end_of_difference(info, diff, write)
+        if end is not None and not (
+            isinstance(weight, fx.Node)
+            and info.written_between(weight, info.positions[product], info.positions[write.node])
+        ):
+            return Step("lerp", (end, weight))
+    return None
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.target in (operator.mul, torch.mul):
+        return "mul"
+    if node.target is torch._foreach_mul_:
+        return "mul_"
+    return ""
+
+
+def _scalar_like(x: Any) -> bool:
+    if is_number(x):
+        return True
+    if isinstance(x, Element):
+        val = _compat.example_value(x.node)
+        val = val[x.index] if isinstance(val, (list, tuple)) else None
+    else:
+        val = _compat.example_value(x) if isinstance(x, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
 def _traced_foreach_lerp(info: GraphInfo, write: Any) -> Step | None:
@@ -114,6 +174,8 @@ def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
         ok = producer.op == "call_function" and producer.target is torch._foreach_sub
     if not ok:
         return None
+    if not all(isinstance(a, (fx.Node, list, tuple)) for a in producer.args):
+        return None  # a number minus x is not a difference toward a tensor
     end = element_of(producer.args[0], index)
     start = element_of(producer.args[1], index)
     if (write.acc, True) not in info.accumulators_of_node(start):

@@ -139,6 +139,9 @@ def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light")
         elif form == "mul_+add_":
             for e, p in zip(emas, params):
                 e.mul_(d).add_(p, alpha=1 - d)
+        elif form == "add_((p-e)*w)":
+            for e, p in zip(emas, params):
+                e.add_((p - e) * (1 - d))
         else:
             torch._foreach_lerp_(emas, params, 1 - d)
 
@@ -174,6 +177,7 @@ EMA_CASES = [
     (0.995, "lerp_", 0.005, 600),
     (0.999, "mul_+add_", 0.02, 600),
     (0.999, "_foreach_lerp_", 0.02, 600),
+    (0.999, "add_((p-e)*w)", 0.02, 600),
     (0.9999, "lerp_", 0.02, 1000),
 ]
 
