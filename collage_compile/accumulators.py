@@ -212,6 +212,7 @@ class GraphInfo:
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], config: CollageConfig):
         self.gm = gm
         self.config = config
+        self.example_inputs = example_inputs
         self.accumulators: list[Accumulator] = []
         self.writes: list[Write] = []
         self.positions: dict[fx.Node, int] = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -327,10 +328,22 @@ class GraphInfo:
                         )
 
 
+def real_value(info: GraphInfo, node: fx.Node) -> Any:
+    """The real object behind a get_attr node or a placeholder (its example input), when
+    the graph was compiled; None for anything else."""
+    if node.op == "get_attr":
+        return _fetch_attr(info.gm, str(node.target))
+    if node.op == "placeholder":
+        placeholders = [n for n in info.gm.graph.nodes if n.op == "placeholder"]
+        idx = placeholders.index(node)
+        return info.example_inputs[idx] if idx < len(info.example_inputs) else None
+    return None
+
+
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
-        obj = getattr(obj, part)
+        obj = getattr(obj, part, None)
     return obj
 
 

@@ -29,7 +29,14 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
-from collage_compile.accumulators import Accumulator, Element, GraphInfo, Step, element_of
+from collage_compile.accumulators import (
+    Accumulator,
+    Element,
+    GraphInfo,
+    Step,
+    element_of,
+    real_value,
+)
 from collage_compile.config import CollageConfig
 from collage_compile.passes._common import is_number
 
@@ -60,7 +67,7 @@ def kind_of(info: GraphInfo, acc: Accumulator, steps: list[Step], config: Collag
     """``"weights-average"``, ``"decay"`` (b >= plus_min_decay) or ``"accumulator"``."""
     if any(_averages_weights(info, acc, s) for s in steps):
         return "weights-average"
-    b = _decay_factor(steps)
+    b = _decay_factor(info, steps)
     if b is not None and config.plus_min_decay <= b < 1.0:
         return "decay"
     return "accumulator"
@@ -81,7 +88,7 @@ def _reason_to_leave(
         return ""
     if config.mode == "plus" and kind == "decay":
         return ""
-    b = _decay_factor(steps)
+    b = _decay_factor(info, steps)
     described = f"decay {b:g}" if b is not None else "no decay factor"
     if config.mode == "light":
         return (
@@ -94,32 +101,58 @@ def _reason_to_leave(
     )
 
 
-def _decay_factor(steps: list[Step]) -> float | None:
+def _decay_factor(info: GraphInfo, steps: list[Step]) -> float | None:
     """The ``b`` of ``x = b*x + ...``: a constant factor of a ``mul`` step, or one minus
     the weight of a ``lerp`` step; None if there is no (known) one."""
     for s in steps:
         if s.kind == "mul" and s.update is None:
-            c = _number(s.args[0])
+            c = _number(info, s.args[0])
             if c is not None:
                 return c
         if s.kind == "lerp":
-            w = _number(s.args[1])
+            w = _number(info, s.args[1])
             if w is not None:
                 return 1.0 - w
     return None
 
 
-def _number(x: Any) -> float | None:
+def _number(info: GraphInfo, x: Any) -> float | None:
+    """A step's factor as a number: a constant, a symbolic scalar's hint, or the value a
+    0-dim tensor attribute holds when the graph is compiled (Adam's tensor betas: a value
+    that changes later does not reclassify the tensor)."""
     if is_number(x):
         return float(x)
-    if isinstance(x, fx.Node):
-        return _compat.scalar_hint(_compat.example_value(x))
-    return None
+    if not isinstance(x, fx.Node):
+        return None
+    if x.op in ("get_attr", "placeholder"):
+        real = real_value(info, x)
+        if isinstance(real, torch.Tensor) and real.dim() == 0 and real.is_floating_point():
+            return float(real)
+    return _compat.scalar_hint(_compat.example_value(x))
 
 
 # ---- averages of weights -------------------------------------------------------------------
 
-_ALIAS_OPS = {"detach", "to", "float", "type_as", "clone", "contiguous", "view_as"}
+_ALIAS_OPS = {
+    "detach",
+    "to",
+    "float",
+    "type_as",
+    "clone",
+    "contiguous",
+    "view_as",
+    # shape and index views: an EMA of p.t() or p[:4] averages (part of) a weight
+    "view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "flatten",
+    "squeeze",
+    "unsqueeze",
+    "getitem",
+    "__getitem__",
+}
 
 
 def _averages_weights(info: GraphInfo, acc: Accumulator, step: Step) -> bool:
@@ -165,6 +198,8 @@ def _op_name(node: fx.Node) -> str:
         return "sub"
     elif node.target in (operator.truediv, operator.itruediv):
         return "div"
+    elif node.target is operator.getitem:
+        return "getitem"
     elif _compat.is_op_overload(node.target):
         name = _compat.op_packet_name(node.target)
     else:

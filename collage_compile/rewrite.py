@@ -200,12 +200,58 @@ class _Emitter:
         (an EMA's parameter) reads its full value hi + lo, in fp32."""
         out = []
         for a in args:
-            pair = _pair_of(info, a, own)
-            if pair is None:
-                out.append(self.proxy(a))
-            else:
-                out.append(self.proxy(a).float() + self.proxy(pair.lo_node).float())
+            lo = self._lo_of(info, a, own)
+            out.append(self.proxy(a) if lo is None else self.proxy(a).float() + lo.float())
         return tuple(out)
+
+    def _lo_of(self, info: GraphInfo, x: Any, own: Accumulator) -> Any:
+        """The lo (a proxy) matching operand ``x``: the pair's lo when ``x`` is a tensor
+        carrying one, the same view of it when ``x`` is a view of one (``p.t()``,
+        ``p.view(-1)``, ``p[:4]``); None otherwise."""
+        pair = _pair_of(info, x, own)
+        if pair is not None:
+            return self.proxy(pair.lo_node)
+        base, rest = _view_of(x)
+        if base is None:
+            return None
+        lo = self._lo_of(info, base, own)
+        if lo is None:
+            return None
+        if x.op == "call_method":
+            return getattr(lo, x.target)(*rest)
+        return x.target(lo, *rest)
+
+
+_VIEW_METHODS = frozenset(
+    {
+        "view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "flatten",
+        "squeeze",
+        "unsqueeze",
+        "__getitem__",
+    }
+)
+_VIEW_FUNCTIONS = frozenset(
+    {operator.getitem, torch.reshape, torch.t, torch.transpose, torch.permute, torch.flatten}
+)
+
+
+def _view_of(x: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(base, other arguments) when ``x`` is a shape/index view of ``base`` whose other
+    arguments are constants; (None, ()) otherwise."""
+    if not isinstance(x, fx.Node) or x.kwargs or not x.args or not isinstance(x.args[0], fx.Node):
+        return None, ()
+    viewing = (x.op == "call_method" and x.target in _VIEW_METHODS) or (
+        x.op == "call_function" and x.target in _VIEW_FUNCTIONS
+    )
+    rest = tuple(x.args[1:])
+    if not viewing or any(isinstance(n, fx.Node) for n in flat_nodes(rest)):
+        return None, ()
+    return x.args[0], rest
 
 
 def _describe_chain(chain: Chain) -> str:
@@ -245,6 +291,10 @@ def pair_readers(info: GraphInfo, chains: list[Chain]) -> list[Accumulator]:
         for site in chain.sites:
             for step in site.steps:
                 for a in step.args:
+                    while isinstance(a, fx.Node) and not any(
+                        full for _, full in info.accumulators_of_node(a)
+                    ):
+                        a = _view_of(a)[0]  # a view of a weight reads its pair's view
                     if not isinstance(a, (fx.Node, Element)):
                         continue
                     for acc, full in info.accumulators_of_node(a):

@@ -224,15 +224,25 @@ def _warn_refit(lo: torch.Tensor, t: torch.Tensor) -> None:
     )
 
 
+def _current_lo(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s lo, or that of the tensor it is an exact alias of (``p.data``), if it still
+    fits ``t`` (a lo left from before ``model.float()`` describes a value that is gone)."""
+    lo = get_lo(t)
+    if lo is None and t.dtype in LOW_PRECISION:
+        lo = _exact_alias_lo(t)
+    return lo if lo is not None and _fits(lo, t) else None
+
+
 def components(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(hi, lo)`` of a tensor: hi is ``t`` itself, lo is ``None`` if it was never upgraded."""
-    return t, get_lo(t)
+    """``(hi, lo)`` of a tensor: hi is ``t`` itself, lo is ``None`` if it was never upgraded
+    (or no longer fits it: changed dtype, shape, device or layout)."""
+    return t, _current_lo(t)
 
 
 def value(t: torch.Tensor) -> torch.Tensor:
     """The fp32 value ``hi + lo`` that the optimizer tracks (``t.float()`` where there is no lo)."""
     with torch.no_grad():
-        return mcf.value(t.detach(), get_lo(t))
+        return mcf.value(t.detach(), _current_lo(t))
 
 
 def clear() -> None:

@@ -130,12 +130,18 @@ def _traced_foreach_lerp(info: GraphInfo, write: Any) -> Step | None:
     t1, t2, value = args
     for fill, diff in ((t1, t2), (t2, t1)):
         weight = _fill_value(fill)
+        if weight is None and _scalar_like(fill):  # a 0-dim tensor weight (ASGD's mu)
+            weight = fill
         if weight is None:
             continue
         end = _end_of_difference(info, diff, write)
         if end is None:
             continue
-        return Step("lerp", (end, weight if value == 1 else weight * value))
+        if value != 1:
+            if not is_number(weight):
+                continue
+            weight = weight * value
+        return Step("lerp", (end, weight))
     return None
 
 

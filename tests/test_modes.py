@@ -139,6 +139,9 @@ def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light")
         elif form == "mul_+add_":
             for e, p in zip(emas, params):
                 e.mul_(d).add_(p, alpha=1 - d)
+        elif form == "lerp_(p.view(-1))":  # a view of the weight: its lo is viewed alike
+            for e, p in zip(emas, params):
+                e.lerp_(p.view(-1), 1 - d)
         elif form == "add_((p-e)*w)":
             for e, p in zip(emas, params):
                 e.add_((p - e) * (1 - d))
@@ -178,6 +181,7 @@ EMA_CASES = [
     (0.999, "mul_+add_", 0.02, 600),
     (0.999, "_foreach_lerp_", 0.02, 600),
     (0.999, "add_((p-e)*w)", 0.02, 600),
+    (0.999, "lerp_(p.view(-1))", 0.02, 600),
     (0.9999, "lerp_", 0.02, 1000),
 ]
 
