@@ -59,12 +59,127 @@ def match(info: GraphInfo, ctx: Any) -> int:
             if step is not None:
                 ctx.claim(write, [step], pattern="lerp_ (as addcmul_)")
                 n += 1
+                continue
+            high = _traced_high_weight_lerp(info, write)
+            if high is not None and high[0] not in ctx.sites:
+                ctx.claim(high[0], [], pattern="lerp_ (its copy_ of end)")
+                ctx.claim(write, [high[1]], pattern="lerp_ (as copy_, addcmul_)")
+                n += 2
+        elif write.op == "copy_":
+            step = _traced_tensor_weight_lerp(info, write)
+            if step is not None:
+                ctx.claim(write, [step], pattern="lerp_ (as where, addcmul_, copy_)")
+                n += 1
         elif write.op == "add_":
             step = _scaled_difference(info, write)
             if step is not None:
                 ctx.claim(write, [step], pattern="lerp_ (as add_((end - x) * w))")
                 n += 1
     return n
+
+
+def _traced_high_weight_lerp(info: GraphInfo, write: Any) -> tuple[Any, Step] | None:
+    """torch 2.13 Dynamo's ``torch._foreach_lerp_`` with a float weight ``w >= 0.5``::
+
+        diff = torch._foreach_sub(end, x)
+        neg_omw = -(1.0 - torch.tensor(w, dtype=x.dtype))
+        x_i.copy_(end_i)
+        torch._foreach_addcmul_(x, [neg_omw, ...], diff)
+
+    is ``x_i.lerp_(end_i, w)``: (the copy_ write, the lerp step for this addcmul_)."""
+    args = bind(addcmul_, write.args, write.kwargs)
+    if args is None or args[2] != 1:
+        return None
+    found = [
+        (w, d)
+        for f, d in ((args[0], args[1]), (args[1], args[0]))
+        if (w := _one_minus_negated(f)) is not None
+    ]
+    if not found:
+        return None
+    weight, diff = found[0]
+    producer = diff.node if isinstance(diff, Element) else None
+    if isinstance(diff, fx.Node) and diff.target is operator.getitem:
+        producer = diff.args[0]
+    if not isinstance(producer, fx.Node):
+        return None
+    since, at = info.positions[producer], info.positions[write.node]
+    between = [w for w in info.writes if w.acc is write.acc and since < info.positions[w.node] < at]
+    if len(between) != 1 or between[0].op != "copy_" or not between[0].full_alias:
+        return None
+    copy = between[0]
+    end = _end_of_difference_unchecked(info, diff, write)
+    if end is None or copy.args[:1] != (end,) or copy.args[1:] or copy.kwargs:
+        return None
+    if info.written_between(end, since, at):
+        return None
+    return copy, Step("lerp", (end, weight))
+
+
+def _one_minus_negated(x: Any) -> float | None:
+    """``w`` from ``-(1.0 - torch.tensor(w, ...))``, else None."""
+    if not (isinstance(x, fx.Node) and x.target in (operator.neg, torch.neg) and x.args):
+        return None
+    sub = x.args[0]
+    if not (
+        isinstance(sub, fx.Node)
+        and sub.target in (operator.sub, torch.sub)
+        and len(sub.args) == 2
+        and sub.args[0] == 1.0
+        and isinstance(sub.args[1], fx.Node)
+        and sub.args[1].target is torch.tensor
+        and is_number(sub.args[1].args[0])
+    ):
+        return None
+    return float(sub.args[1].args[0])
+
+
+def _traced_tensor_weight_lerp(info: GraphInfo, write: Any) -> Step | None:
+    """torch 2.13 Dynamo's ``torch._foreach_lerp_`` with a tensor weight ``t``::
+
+        diff = torch._foreach_sub(end, x)
+        w = torch.where(|t| >= 0.5, -(1 - t), t)
+        b = torch.where(|t| >= 0.5, end_i, x_i)
+        torch._foreach_addcmul_([b, ...], [w, ...], (diff[i], ...))
+        x_i.copy_(b)
+
+    is ``x_i.lerp_(end_i, t)``: this ``copy_`` claimed as that lerp (the temporaries are
+    left to dead-code elimination)."""
+    if write.args[1:] or write.kwargs or not isinstance(write.args[0], fx.Node):
+        return None
+    b = write.args[0]
+    if not (b.op == "call_function" and b.target is torch.where and len(b.args) == 3):
+        return None
+    mask, end, start = b.args
+    if (write.acc, True) not in info.accumulators_of_node(start):
+        return None
+    writers = [u for u in b.users if u is not write.node and u.op == "call_function"]
+    if len(writers) != 1 or writers[0].target not in (torch._foreach_addcmul_, torch.addcmul):
+        return None
+    fused = writers[0]
+    if fused.target is torch._foreach_addcmul_:
+        bases, weights, diffs = (
+            list(a) if isinstance(a, (list, tuple)) else a for a in fused.args[:3]
+        )
+        if fused.kwargs or len(fused.args) != 3 or not isinstance(bases, list) or b not in bases:
+            return None
+        i = bases.index(b)
+        w_node, diff = weights[i], element_of(diffs, i)
+    else:
+        return None
+    if not (
+        isinstance(w_node, fx.Node)
+        and w_node.target is torch.where
+        and len(w_node.args) == 3
+        and w_node.args[0] is mask
+    ):
+        return None
+    weight = w_node.args[2]
+    if _end_of_difference(info, diff, write) is not end:
+        return None
+    if info.written_between(weight, info.positions[w_node], info.positions[write.node]):
+        return None
+    return Step("lerp", (end, weight))
 
 
 def add_(other: Any, alpha: Any = 1) -> None:
@@ -158,7 +273,8 @@ def _fill_value(x: Any) -> Any:
     return None
 
 
-def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
+def _end_of_difference_unchecked(info: GraphInfo, diff: Any, write: Any) -> Any:
+    """``end`` when ``diff`` is ``end - x``, x the written tensor; None otherwise."""
     if isinstance(diff, Element):
         producer, index = diff.node, diff.index
     elif (
@@ -186,7 +302,20 @@ def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
     start = element_of(producer.args[1], index)
     if (write.acc, True) not in info.accumulators_of_node(start):
         return None
+    return end
+
+
+def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
+    """``end`` when ``diff`` is ``end - x`` (x: the written tensor) and neither is written
+    between the subtraction and the write."""
+    end = _end_of_difference_unchecked(info, diff, write)
+    if end is None:
+        return None
+    producer = diff.node if isinstance(diff, Element) else diff
+    if isinstance(producer, fx.Node) and producer.target is operator.getitem:
+        producer = producer.args[0]
     since, at = info.positions[producer], info.positions[write.node]
+    start = write.target
     if info.written_between(start, since, at) or info.written_between(end, since, at):
         return None
     return end

@@ -331,3 +331,37 @@ def test_all_mode_carries_batchnorm_running_statistics():
     assert collage_compile.components(bn.running_mean)[1] is not None
     entries = [e for r in report.reports() for e in r.entries if "running" in e.tensor]
     assert entries and all(e.applied for e in entries)
+
+
+@pytest.mark.parametrize("weight", [0.01, 0.5], ids=["tensor-weight-0.01", "float-weight-0.5"])
+def test_foreach_lerp_forms_dynamo_traces_are_lerps(weight):
+    """torch 2.13 Dynamo traces torch._foreach_lerp_ three ways (float w < 0.5, float
+    w >= 0.5: copy_ then addcmul_, tensor w: where, addcmul_, copy_).  Each is a lerp on
+    hi + lo: an EMA of a fixed bf16 target from zero follows float64 to 1e-6, where plain
+    bf16 stops short (its last steps are below half an ulp)."""
+    g = torch.Generator().manual_seed(0)
+    targets = [torch.nn.Parameter((1 + torch.rand(256, generator=g)).to(torch.bfloat16))]
+    emas = [torch.zeros(256, dtype=torch.bfloat16)]
+    plain = [torch.zeros(256, dtype=torch.bfloat16)]
+    w = torch.tensor(weight) if weight < 0.5 else weight
+
+    @torch.no_grad()
+    def update(emas, targets, w):
+        torch._foreach_lerp_(emas, targets, w)
+
+    compiled = torch.compile(update, backend=collage_compile.make_backend(mode="light"))
+    ref = torch.zeros(256, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for _ in range(400 if weight < 0.5 else 20):
+            compiled(emas, targets, w)
+            update(plain, targets, w)
+            ref.lerp_(targets[0].detach().double(), float(w))
+    err = relative_error(collage_compile.value(emas[0]), ref, torch.zeros(256))
+    plain_err = relative_error(plain[0], ref, torch.zeros(256))
+    print(f"_foreach_lerp_ weight {weight}: collage {err:.1e}  plain bf16 {plain_err:.1e}")
+    assert err <= 1e-4 and plain_err >= 100 * err
+    entries = [e for r in report.reports() for e in r.entries]
+    assert (
+        entries and all(e.applied for e in entries) and all("lerp_" in e.pattern for e in entries)
+    )
