@@ -59,6 +59,7 @@ class Accumulator:
     carries_pair: bool = False  # it (or what it aliases) had a lo when the graph was compiled
     eligible: bool = False
     reason: str = ""  # why it is not eligible
+    warn: bool = False  # not eligible although its mode asks for it: warned about once
     lo_node: fx.Node | None = None
 
     @property

@@ -59,6 +59,8 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
         reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if reason:
             acc.eligible, acc.reason = False, reason
+            # mode='all' promises every accumulator: one it cannot carry is a warning
+            acc.warn = config.mode == "all" and not all(w in ctx.sites or _exact(w) for w in writes)
             for w in writes:
                 ctx.sites.pop(w, None)
 
@@ -99,6 +101,32 @@ def _reason_to_leave(
         f"mode='plus' upgrades decay-style state with decay >= {config.plus_min_decay:g} "
         f"({described}); mode='all' upgrades it"
     )
+
+
+_EXACT_OPS = {"maximum", "minimum", "max", "min", "clamp", "clamp_min", "clamp_max", "where"}
+
+
+def _exact(write: Any) -> bool:
+    """A write that loses nothing to rounding: an overwrite, or a max/min/clamp/where
+    (AMSGrad's ``max_exp_avg_sq``, Adamax's ``exp_inf``), spelled in place, with ``out=``
+    or as ``copy_`` of one."""
+    op = write.op.split("(")[0].rstrip("_")
+    if op in _EXACT_OPS or op in ("zero", "fill"):
+        return True
+    if write.op == "copy_" and write.args and isinstance(write.args[0], fx.Node):
+        src = write.args[0]
+        name = src.target if src.op == "call_method" else getattr(src.target, "__name__", "")
+        return str(name).rstrip("_") in _EXACT_OPS or not _reads(src, write.target)
+    return False
+
+
+def _reads(node: fx.Node, target: Any, depth: int = 0) -> bool:
+    """Whether ``node`` is computed from ``target`` (an overwrite from elsewhere is exact)."""
+    if node is target:
+        return True
+    if depth > 8:
+        return False
+    return any(_reads(i, target, depth + 1) for i in node.all_input_nodes)
 
 
 def _decay_factor(info: GraphInfo, steps: list[Step]) -> float | None:

@@ -58,7 +58,9 @@ class GraphReport:
             if site is not None:
                 entries.append(Entry(acc.name, shape, dtype, acc.role, site.pattern, True))
             elif not acc.eligible:
-                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason))
+                entries.append(
+                    Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason, acc.warn)
+                )
             else:
                 why = _why(w, fused)
                 entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, why, True))

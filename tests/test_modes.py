@@ -365,3 +365,23 @@ def test_foreach_lerp_forms_dynamo_traces_are_lerps(weight):
     assert (
         entries and all(e.applied for e in entries) and all("lerp_" in e.pattern for e in entries)
     )
+
+
+def test_all_mode_warns_about_state_it_cannot_carry_and_not_about_exact_writes():
+    """mode='all' promises every accumulator: state updated in a way the backend cannot
+    carry (here ``s.copy_(s.sqrt() + g)``) is named in a one-time warning; state written by
+    a max (AMSGrad) or an overwrite loses nothing and is only listed in the report."""
+
+    def step(s, m, g):
+        s.copy_(s.sqrt() + g)  # not an accumulation the pair arithmetic can carry
+        torch.maximum(m, g, out=m)  # exact
+
+    s = torch.rand(64).to(torch.bfloat16)
+    m = torch.zeros(64, dtype=torch.bfloat16)
+    g = torch.rand(64).to(torch.bfloat16)
+    compiled = torch.compile(step, backend=collage_compile.make_backend(mode="all"))
+    with pytest.warns(collage_compile.CollageWarning) as record:
+        compiled(s, m, g)
+    messages = [str(r.message) for r in record]
+    assert any("L['s']" in msg and "not an accumulation" in msg for msg in messages), messages
+    assert not any("L['m']" in msg for msg in messages), messages
