@@ -25,6 +25,22 @@ from collage_compile import _compat, state
 from collage_compile.config import CollageConfig
 from collage_compile.mcf import LOW_PRECISION
 
+# Methods that return a view of their tensor's shape or elements (their other arguments
+# constants): an EMA of ``p.t()`` or ``p[:4]`` reads (part of) the weight ``p``.
+VIEW_METHODS = frozenset(
+    {
+        "view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "flatten",
+        "squeeze",
+        "unsqueeze",
+        "__getitem__",
+    }
+)
+
 # In-place methods that do not write tensor data.
 _NON_WRITING_METHODS = frozenset(
     {"requires_grad_", "retain_grad", "share_memory_", "record_stream"}

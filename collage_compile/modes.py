@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from collage_compile import _compat
 from collage_compile.accumulators import (
+    VIEW_METHODS,
     Accumulator,
     Element,
     GraphInfo,
@@ -161,6 +162,7 @@ def _number(info: GraphInfo, x: Any) -> float | None:
 
 # ---- averages of weights -------------------------------------------------------------------
 
+# value-preserving conversions, and views (an EMA of p.t() or p[:4] averages a weight)
 _ALIAS_OPS = {
     "detach",
     "to",
@@ -169,17 +171,8 @@ _ALIAS_OPS = {
     "clone",
     "contiguous",
     "view_as",
-    # shape and index views: an EMA of p.t() or p[:4] averages (part of) a weight
-    "view",
-    "reshape",
-    "t",
-    "transpose",
-    "permute",
-    "flatten",
-    "squeeze",
-    "unsqueeze",
     "getitem",
-    "__getitem__",
+    *VIEW_METHODS,
 }
 
 

@@ -25,6 +25,7 @@ import torch.fx as fx
 from collage_compile import _compat, mcf, state
 from collage_compile.accumulators import (
     _PER_ELEMENT_SCALAR_TENSOR,
+    VIEW_METHODS,
     Accumulator,
     Element,
     GraphInfo,
@@ -222,19 +223,6 @@ class _Emitter:
         return x.target(lo, *rest)
 
 
-_VIEW_METHODS = frozenset(
-    {
-        "view",
-        "reshape",
-        "t",
-        "transpose",
-        "permute",
-        "flatten",
-        "squeeze",
-        "unsqueeze",
-        "__getitem__",
-    }
-)
 _VIEW_FUNCTIONS = frozenset(
     {operator.getitem, torch.reshape, torch.t, torch.transpose, torch.permute, torch.flatten}
 )
@@ -245,7 +233,7 @@ def _view_of(x: Any) -> tuple[Any, tuple[Any, ...]]:
     arguments are constants; (None, ()) otherwise."""
     if not isinstance(x, fx.Node) or x.kwargs or not x.args or not isinstance(x.args[0], fx.Node):
         return None, ()
-    viewing = (x.op == "call_method" and x.target in _VIEW_METHODS) or (
+    viewing = (x.op == "call_method" and x.target in VIEW_METHODS) or (
         x.op == "call_function" and x.target in _VIEW_FUNCTIONS
     )
     rest = tuple(x.args[1:])

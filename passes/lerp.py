@@ -54,27 +54,17 @@ def match(info: GraphInfo, ctx: Any) -> int:
                 continue
             ctx.claim(write, [Step("lerp", args)], pattern="lerp_")
             n += 1
-        elif write.op == "addcmul_":
-            step = _traced_foreach_lerp(info, write)
+        elif write.op in _TRACED_FORMS:
+            form, recognize = _TRACED_FORMS[write.op]
+            step = recognize(info, write)
             if step is not None:
-                ctx.claim(write, [step], pattern="lerp_ (as addcmul_)")
+                ctx.claim(write, [step], pattern=f"lerp_ (as {form})")
                 n += 1
-                continue
-            high = _traced_high_weight_lerp(info, write)
-            if high is not None and high[0] not in ctx.sites:
-                ctx.claim(high[0], [], pattern="lerp_ (its copy_ of end)")
-                ctx.claim(write, [high[1]], pattern="lerp_ (as copy_, addcmul_)")
-                n += 2
-        elif write.op == "copy_":
-            step = _traced_tensor_weight_lerp(info, write)
-            if step is not None:
-                ctx.claim(write, [step], pattern="lerp_ (as where, addcmul_, copy_)")
-                n += 1
-        elif write.op == "add_":
-            step = _scaled_difference(info, write)
-            if step is not None:
-                ctx.claim(write, [step], pattern="lerp_ (as add_((end - x) * w))")
-                n += 1
+            elif write.op == "addcmul_" and (high := _traced_high_weight_lerp(info, write)):
+                if high[0] not in ctx.sites:
+                    ctx.claim(high[0], [], pattern="lerp_ (its copy_ of end)")
+                    ctx.claim(write, [high[1]], pattern="lerp_ (as copy_, addcmul_)")
+                    n += 2
     return n
 
 
@@ -180,6 +170,15 @@ def _traced_tensor_weight_lerp(info: GraphInfo, write: Any) -> Step | None:
     if info.written_between(weight, info.positions[w_node], info.positions[write.node]):
         return None
     return Step("lerp", (end, weight))
+
+
+def _traced_forms() -> dict[str, tuple[str, Any]]:
+    # write op -> (the form's name in reports, recognizer returning a lerp Step or None)
+    return {
+        "addcmul_": ("addcmul_", _traced_foreach_lerp),
+        "copy_": ("where, addcmul_, copy_", _traced_tensor_weight_lerp),
+        "add_": ("add_((end - x) * w)", _scaled_difference),
+    }
 
 
 def add_(other: Any, alpha: Any = 1) -> None:
@@ -319,3 +318,6 @@ def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
     if info.written_between(start, since, at) or info.written_between(end, since, at):
         return None
     return end
+
+
+_TRACED_FORMS = _traced_forms()
