@@ -73,7 +73,7 @@ class Accumulator:
     role: str  # "param" (nn.Parameter / leaf requiring grad) or "tensor"
     name: str
     carries_pair: bool = False  # it (or what it aliases) had a lo when the graph was compiled
-    eligible: bool = False
+    eligible: bool = True  # until the mode leaves it (modes.select)
     reason: str = ""  # why it is not eligible
     warn: bool = False  # not eligible although its mode asks for it: warned about once
     lo_node: fx.Node | None = None
@@ -238,13 +238,12 @@ class GraphInfo:
         # positions of every in-place write, per storage, over the whole graph
         self._write_positions: dict[Any, list[int]] = {}
         self._find_candidates(example_inputs)
-        if self.accumulators:
-            self._find_writes()
+        self._find_writes()
 
     # -- candidates -------------------------------------------------------------------
     def _find_candidates(self, example_inputs: list[Any]) -> None:
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        index_of = {n: i for i, n in enumerate(placeholders)}
+        self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        index_of = {n: i for i, n in enumerate(self.placeholders)}
         for node in self.gm.graph.nodes:
             if node.op not in ("placeholder", "get_attr"):
                 continue
@@ -321,6 +320,10 @@ class GraphInfo:
         vals = ex if isinstance(ex, (list, tuple)) else [ex]
         return {k for v in vals if (k := storage_key(v)) is not None}
 
+    def written_storages(self) -> set[Any]:
+        """Storage keys of every tensor the graph writes in place (temporaries included)."""
+        return set(self._write_positions)
+
     def written_between(self, node: Any, start: int, end: int) -> bool:
         """Whether any storage of ``node`` is written in place strictly between two positions."""
         for key in self.storages_of(node):
@@ -351,8 +354,7 @@ def real_value(info: GraphInfo, node: fx.Node) -> Any:
     if node.op == "get_attr":
         return _fetch_attr(info.gm, str(node.target))
     if node.op == "placeholder":
-        placeholders = [n for n in info.gm.graph.nodes if n.op == "placeholder"]
-        idx = placeholders.index(node)
+        idx = info.placeholders.index(node)
         return info.example_inputs[idx] if idx < len(info.example_inputs) else None
     return None
 

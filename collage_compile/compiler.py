@@ -2,8 +2,11 @@
 
     backend(gm, example_inputs)
       -> copy the graph (Dynamo's own is never mutated)
+      -> normalize                passes.normalize (BatchNorm in mode="all", storage adds)
       -> find accumulators        accumulators.GraphInfo
-      -> rewrite each into MCF    passes (pattern families) + rewrite.plan_chains / emit
+      -> match their writes       passes (pattern families)
+      -> keep what the mode asks  modes.select (parameters, EMAs, decays, everything)
+      -> rewrite each into MCF    rewrite.plan_chains / emit
       -> attach lo state          rewrite.add_lo_inputs + a wrapper that passes lo tensors
       -> hand to Inductor         _compat.compile_with_inductor (roundings are fp32
                                   arithmetic, mcf.round_to, so Inductor cannot drop them)
@@ -97,10 +100,9 @@ def compile_graph(
     original = gm
     gm = _compat.copy_graph_module(gm)
     normalized = passes.normalize(gm, config)
+    # every low-precision tensor starts eligible: the families claim what they understand,
+    # then the mode keeps what it upgrades (modes.select)
     info = GraphInfo(gm, list(example_inputs), config)
-    for acc in info.accumulators:
-        acc.eligible, acc.reason = modes.provisional(acc)
-
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
     modes.select(info, ctx, config)

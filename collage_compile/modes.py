@@ -22,7 +22,6 @@ visible only in the constants of its writes (``v.mul_(0.999)`` vs ``m.lerp_(g, 0
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -39,12 +38,7 @@ from collage_compile.accumulators import (
     real_value,
 )
 from collage_compile.config import CollageConfig
-from collage_compile.passes._common import is_number
-
-
-def provisional(acc: Accumulator) -> tuple[bool, str]:
-    """Before matching: every low-precision tensor may be claimed (see :func:`select`)."""
-    return True, ""
+from collage_compile.passes._common import is_number, is_scalar_like, op_name
 
 
 def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
@@ -55,7 +49,7 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     for w in info.writes:
         writes_of.setdefault(w.acc, []).append(w)
     for acc, writes in writes_of.items():
-        if acc.is_weight or not acc.eligible:  # a parameter, or an alias of a pair's tensor
+        if acc.is_weight:  # a parameter, or an alias of a pair's tensor
             continue
         reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if reason:
@@ -196,9 +190,9 @@ def _is_param(info: GraphInfo, x: Any, acc: Accumulator, depth: int) -> bool:
     node, index = (x.node, x.index) if isinstance(x, Element) else (x, None)
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
         return False
-    name = _op_name(node)
+    name = op_name(node)
     args = [element_of(a, index) for a in node.args]
-    tensors = [a for a in args if isinstance(a, (fx.Node, Element)) and not _is_scalar_like(a)]
+    tensors = [a for a in args if isinstance(a, (fx.Node, Element)) and not is_scalar_like(a)]
     if name in _ALIAS_OPS and tensors:
         return _is_param(info, tensors[0], acc, depth + 1)
     if (name == "mul" and len(tensors) == 1) or (name == "div" and tensors[:1] == args[:1]):
@@ -208,31 +202,3 @@ def _is_param(info: GraphInfo, x: Any, acc: Accumulator, depth: int) -> bool:
             a is acc for a, _ in info.accumulators_of_node(args[1])
         )
     return False
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        name = str(node.target)
-    elif node.target in (operator.mul, operator.imul):
-        return "mul"
-    elif node.target in (operator.sub, operator.isub):
-        return "sub"
-    elif node.target in (operator.truediv, operator.itruediv):
-        return "div"
-    elif node.target is operator.getitem:
-        return "getitem"
-    elif _compat.is_op_overload(node.target):
-        name = _compat.op_packet_name(node.target)
-    else:
-        name = getattr(node.target, "__name__", str(node.target))
-    if name.startswith("_foreach_"):
-        name = name[len("_foreach_") :]
-    return name.rstrip("_")
-
-
-def _is_scalar_like(x: Any) -> bool:
-    node, index = (x.node, x.index) if isinstance(x, Element) else (x, None)
-    ex = _compat.example_value(node)
-    if isinstance(ex, (list, tuple)) and index is not None:
-        ex = ex[index]
-    return not isinstance(ex, torch.Tensor) or ex.dim() == 0

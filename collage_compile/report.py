@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from collage_compile import _compat
-from collage_compile.accumulators import readable_name, storage_key, written_nodes
+from collage_compile.accumulators import readable_name, storage_key
 from collage_compile.mcf import LOW_PRECISION as _LOW
 
 log = logging.getLogger("collage_compile")
@@ -98,9 +98,7 @@ class GraphReport:
 def _other_writes(info: Any) -> list[Entry]:
     """Entries for the graph's inputs it writes that are not low precision (fp32 step
     counters, fp32 master weights): left as written, nothing to compensate."""
-    written = {
-        k for node in info.gm.graph.nodes for n in written_nodes(node) for k in info.storages_of(n)
-    }
+    written = info.written_storages()
     if not written:
         return []
     low = {storage_key(a.example) for a in info.accumulators}

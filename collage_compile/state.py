@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from typing import Any
 
 import torch
 
@@ -82,11 +83,14 @@ def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Bytes [start, end) of its storage that a tensor's elements occupy."""
-    if t.numel() == 0:
+    return _span_of(t.storage_offset(), t.shape, t.stride(), t.element_size())
+
+
+def _span_of(offset: int, shape: Any, stride: Any, itemsize: int) -> tuple[int, int]:
+    if not all(shape):
         return (0, 0)
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    start = t.storage_offset() * t.element_size()
-    return start, start + extent * t.element_size()
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride))
+    return offset * itemsize, (offset + extent) * itemsize
 
 
 def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
@@ -100,10 +104,7 @@ def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Te
     for key, (ref, lo) in list(_by_view.items()):
         if key[0] != ptr or lo is own or ref.expired():
             continue
-        _, offset, shape, stride = key[:4]
-        o_start = offset * lo.element_size()
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride))
-        o_end = o_start + extent * lo.element_size() if all(shape) else o_start
+        o_start, o_end = _span_of(*key[1:4], lo.element_size())
         if o_start < end and start < o_end:
             out.append((None, lo))  # a pair registered by view: no owner object
     ids = _by_storage.get(ptr)

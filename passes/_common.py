@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -63,3 +64,50 @@ def scale(x: Any, factor: Any) -> Any:
     if is_number(factor) and factor == 1:
         return x
     return x * f32(factor) if is_number(factor) else x * factor
+
+
+def is_scalar_like(x: Any) -> bool:
+    """A Python number, or a graph value (node or list element) that is a scalar or a 0-dim
+    tensor: something that scales every element alike."""
+    if is_number(x):
+        return True
+    from collage_compile.accumulators import Element
+
+    if isinstance(x, Element):
+        ex = _compat.example_value(x.node)
+        if not isinstance(ex, (list, tuple)):
+            return False  # an element of a 1-D tensor of per-element values
+        ex = ex[x.index]
+    elif isinstance(x, fx.Node):
+        ex = _compat.example_value(x)
+    else:
+        return False
+    return not isinstance(ex, torch.Tensor) or ex.dim() == 0
+
+
+_OPERATOR_NAMES = {
+    operator.mul: "mul",
+    operator.imul: "mul",
+    operator.sub: "sub",
+    operator.isub: "sub",
+    operator.truediv: "div",
+    operator.itruediv: "div",
+    operator.getitem: "getitem",
+}
+
+
+def op_name(node: fx.Node) -> str:
+    """A node's operation as one name for every spelling: method, ``torch`` function,
+    Python operator, aten overload or foreach op (``mul_``, ``torch.mul``, ``operator.mul``,
+    ``torch._foreach_mul_`` are all ``"mul"``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.target in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[node.target]
+    elif _compat.is_op_overload(node.target):
+        name = _compat.op_packet_name(node.target)
+    else:
+        name = getattr(node.target, "__name__", str(node.target))
+    if name.startswith("_foreach_"):
+        name = name[len("_foreach_") :]
+    return name.rstrip("_")

@@ -32,17 +32,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat
 from collage_compile.accumulators import Element, GraphInfo, Step, element_of
-from collage_compile.passes._common import bind, is_number
+from collage_compile.passes._common import bind, is_number, is_scalar_like, op_name
+from collage_compile.passes.additive import add_, addcmul_
 
 
 def lerp_(end: Any, weight: Any) -> None:
     """Signature of the in-place op (the step itself is computed in the chain)."""
-
-
-def addcmul_(tensor1: Any, tensor2: Any, value: Any = 1) -> None:
-    """Signature of ``Tensor.addcmul_``."""
 
 
 def match(info: GraphInfo, ctx: Any) -> int:
@@ -88,18 +84,16 @@ def _traced_high_weight_lerp(info: GraphInfo, write: Any) -> tuple[Any, Step] | 
     if not found:
         return None
     weight, diff = found[0]
-    producer = diff.node if isinstance(diff, Element) else None
-    if isinstance(diff, fx.Node) and diff.target is operator.getitem:
-        producer = diff.args[0]
-    if not isinstance(producer, fx.Node):
+    difference = _difference(info, diff, write)
+    if difference is None:
         return None
+    end, producer = difference
     since, at = info.positions[producer], info.positions[write.node]
     between = [w for w in info.writes if w.acc is write.acc and since < info.positions[w.node] < at]
     if len(between) != 1 or between[0].op != "copy_" or not between[0].full_alias:
         return None
     copy = between[0]
-    end = _end_of_difference_unchecked(info, diff, write)
-    if end is None or copy.args[:1] != (end,) or copy.args[1:] or copy.kwargs:
+    if copy.args != (end,) or copy.kwargs:
         return None
     if info.written_between(end, since, at):
         return None
@@ -144,19 +138,16 @@ def _traced_tensor_weight_lerp(info: GraphInfo, write: Any) -> Step | None:
     if (write.acc, True) not in info.accumulators_of_node(start):
         return None
     writers = [u for u in b.users if u is not write.node and u.op == "call_function"]
-    if len(writers) != 1 or writers[0].target not in (torch._foreach_addcmul_, torch.addcmul):
+    if len(writers) != 1 or writers[0].target is not torch._foreach_addcmul_:
         return None
     fused = writers[0]
-    if fused.target is torch._foreach_addcmul_:
-        bases, weights, diffs = (
-            list(a) if isinstance(a, (list, tuple)) else a for a in fused.args[:3]
-        )
-        if fused.kwargs or len(fused.args) != 3 or not isinstance(bases, list) or b not in bases:
-            return None
-        i = bases.index(b)
-        w_node, diff = weights[i], element_of(diffs, i)
-    else:
+    if fused.kwargs or len(fused.args) != 3 or not isinstance(fused.args[0], (list, tuple)):
         return None
+    bases, weights, diffs = fused.args
+    if b not in bases or not isinstance(weights, (list, tuple)):
+        return None
+    i = list(bases).index(b)
+    w_node, diff = weights[i], element_of(diffs, i)
     if not (
         isinstance(w_node, fx.Node)
         and w_node.target is torch.where
@@ -172,19 +163,6 @@ def _traced_tensor_weight_lerp(info: GraphInfo, write: Any) -> Step | None:
     return Step("lerp", (end, weight))
 
 
-def _traced_forms() -> dict[str, tuple[str, Any]]:
-    # write op -> (the form's name in reports, recognizer returning a lerp Step or None)
-    return {
-        "addcmul_": ("addcmul_", _traced_foreach_lerp),
-        "copy_": ("where, addcmul_, copy_", _traced_tensor_weight_lerp),
-        "add_": ("add_((end - x) * w)", _scaled_difference),
-    }
-
-
-def add_(other: Any, alpha: Any = 1) -> None:
-    """Signature of ``Tensor.add_``."""
-
-
 def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
     """``x.add_((end - x) * w)`` (ASGD's ``ax.add_(p.sub(ax).mul_(mu))``, a hand-written
     EMA): a lerp toward ``end`` with weight ``w`` (a number or a 0-dim tensor), if neither
@@ -198,12 +176,11 @@ def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
         product, index = product.node, product.index
     if not isinstance(product, fx.Node) or product.kwargs or len(product.args) != 2:
         return None
-    name = _op_name(product)
-    if name not in ("mul", "mul_"):
+    if op_name(product) != "mul":
         return None
     a, b = (element_of(x, index) for x in product.args)
     for diff, weight in ((a, b), (b, a)):
-        if not _scalar_like(weight):
+        if not is_scalar_like(weight):
             continue
         end = _end_of_difference(info, diff, write)
         if end is not None and not (
@@ -212,27 +189,6 @@ def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
         ):
             return Step("lerp", (end, weight))
     return None
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.target in (operator.mul, torch.mul):
-        return "mul"
-    if node.target is torch._foreach_mul_:
-        return "mul_"
-    return ""
-
-
-def _scalar_like(x: Any) -> bool:
-    if is_number(x):
-        return True
-    if isinstance(x, Element):
-        val = _compat.example_value(x.node)
-        val = val[x.index] if isinstance(val, (list, tuple)) else None
-    else:
-        val = _compat.example_value(x) if isinstance(x, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
 def _traced_foreach_lerp(info: GraphInfo, write: Any) -> Step | None:
@@ -244,7 +200,7 @@ def _traced_foreach_lerp(info: GraphInfo, write: Any) -> Step | None:
     t1, t2, value = args
     for fill, diff in ((t1, t2), (t2, t1)):
         weight = _fill_value(fill)
-        if weight is None and _scalar_like(fill):  # a 0-dim tensor weight (ASGD's mu)
+        if weight is None and is_scalar_like(fill):  # a 0-dim tensor weight (ASGD's mu)
             weight = fill
         if weight is None:
             continue
@@ -272,8 +228,8 @@ def _fill_value(x: Any) -> Any:
     return None
 
 
-def _end_of_difference_unchecked(info: GraphInfo, diff: Any, write: Any) -> Any:
-    """``end`` when ``diff`` is ``end - x``, x the written tensor; None otherwise."""
+def _difference(info: GraphInfo, diff: Any, write: Any) -> tuple[Any, fx.Node] | None:
+    """(end, the subtraction node) when ``diff`` is ``end - x``, x the written tensor."""
     if isinstance(diff, Element):
         producer, index = diff.node, diff.index
     elif (
@@ -297,27 +253,28 @@ def _end_of_difference_unchecked(info: GraphInfo, diff: Any, write: Any) -> Any:
         return None
     if not all(isinstance(a, (fx.Node, list, tuple)) for a in producer.args):
         return None  # a number minus x is not a difference toward a tensor
-    end = element_of(producer.args[0], index)
     start = element_of(producer.args[1], index)
     if (write.acc, True) not in info.accumulators_of_node(start):
         return None
-    return end
+    return element_of(producer.args[0], index), producer
 
 
 def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:
     """``end`` when ``diff`` is ``end - x`` (x: the written tensor) and neither is written
     between the subtraction and the write."""
-    end = _end_of_difference_unchecked(info, diff, write)
-    if end is None:
+    found = _difference(info, diff, write)
+    if found is None:
         return None
-    producer = diff.node if isinstance(diff, Element) else diff
-    if isinstance(producer, fx.Node) and producer.target is operator.getitem:
-        producer = producer.args[0]
+    end, producer = found
     since, at = info.positions[producer], info.positions[write.node]
-    start = write.target
-    if info.written_between(start, since, at) or info.written_between(end, since, at):
+    if info.written_between(write.target, since, at) or info.written_between(end, since, at):
         return None
     return end
 
 
-_TRACED_FORMS = _traced_forms()
+# write op -> (the form's name in reports, recognizer returning a lerp Step or None)
+_TRACED_FORMS: dict[str, tuple[str, Any]] = {
+    "addcmul_": ("addcmul_", _traced_foreach_lerp),
+    "copy_": ("where, addcmul_, copy_", _traced_tensor_weight_lerp),
+    "add_": ("add_((end - x) * w)", _scaled_difference),
+}
