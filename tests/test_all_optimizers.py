@@ -25,7 +25,21 @@ from conftest import GraphCapture, assert_snapshot, relative_error
 import collage_compile
 from collage_compile import _compat
 
-# name -> (class, variants {label: kwargs}, stream (steps, weight scale, grad mean, grad std))
+# streams (steps, weight scale, grad mean, grad std): updates ~2^-11 of the weights
+SGD_LIKE = (150, 0.5, 0.01, 0.005)
+ADAPTIVE = (100, 1.0, 0.0, 0.01)
+# NAdam's and RAdam's variants (their extra flag is the same)
+DECOUPLED = {
+    "default": {"lr": 3e-4},
+    "decoupled-wd-maximize": {
+        "lr": 3e-4,
+        "weight_decay": 0.01,
+        "decoupled_weight_decay": True,
+        "maximize": True,
+    },
+}
+
+# name -> (class, variants {label: kwargs}, stream)
 OPTIMIZERS = {
     "SGD": (
         torch.optim.SGD,
@@ -44,7 +58,7 @@ OPTIMIZERS = {
                 "maximize": True,
             },
         },
-        (150, 0.5, 0.01, 0.005),
+        SGD_LIKE,
     ),
     "Adam": (
         torch.optim.Adam,
@@ -57,7 +71,7 @@ OPTIMIZERS = {
                 "maximize": True,
             },
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
     "AdamW": (
         torch.optim.AdamW,
@@ -65,41 +79,17 @@ OPTIMIZERS = {
             "default": {"lr": 3e-4, "weight_decay": 0.01},
             "amsgrad-maximize": {"lr": 3e-4, "amsgrad": True, "maximize": True},
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
-    "NAdam": (
-        torch.optim.NAdam,
-        {
-            "default": {"lr": 3e-4},
-            "decoupled-wd-maximize": {
-                "lr": 3e-4,
-                "weight_decay": 0.01,
-                "decoupled_weight_decay": True,
-                "maximize": True,
-            },
-        },
-        (100, 1.0, 0.0, 0.01),
-    ),
-    "RAdam": (
-        torch.optim.RAdam,
-        {
-            "default": {"lr": 3e-4},
-            "decoupled-wd-maximize": {
-                "lr": 3e-4,
-                "weight_decay": 0.01,
-                "decoupled_weight_decay": True,
-                "maximize": True,
-            },
-        },
-        (100, 1.0, 0.0, 0.01),
-    ),
+    "NAdam": (torch.optim.NAdam, DECOUPLED, ADAPTIVE),
+    "RAdam": (torch.optim.RAdam, DECOUPLED, ADAPTIVE),
     "Adamax": (
         torch.optim.Adamax,
         {
             "default": {"lr": 3e-4},
             "wd-maximize": {"lr": 3e-4, "weight_decay": 0.01, "maximize": True},
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
     "Adagrad": (
         torch.optim.Adagrad,
@@ -112,7 +102,7 @@ OPTIMIZERS = {
                 "maximize": True,
             },
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
     "RMSprop": (
         torch.optim.RMSprop,
@@ -126,7 +116,7 @@ OPTIMIZERS = {
                 "maximize": True,
             },
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
     "Adadelta": (
         torch.optim.Adadelta,
@@ -134,7 +124,7 @@ OPTIMIZERS = {
             "default": {"lr": 0.3},
             "wd-maximize": {"lr": 0.3, "weight_decay": 0.01, "maximize": True},
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
     "ASGD": (
         torch.optim.ASGD,
@@ -142,15 +132,15 @@ OPTIMIZERS = {
             "default": {"lr": 1e-3},
             "wd-maximize": {"lr": 1e-3, "weight_decay": 0.01, "maximize": True},
         },
-        (150, 0.5, 0.01, 0.005),
+        SGD_LIKE,
     ),
     # written by a user in plain torch ops (tests/user_optimizers.py), upgraded unchanged
     "Lion": (
         user_optimizers.Lion,
         {"default": {"lr": 3e-4}, "wd": {"lr": 3e-4, "weight_decay": 0.1}},
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
-    "SignSGD": (user_optimizers.SignSGD, {"momentum": {"lr": 3e-4}}, (100, 1.0, 0.0, 0.01)),
+    "SignSGD": (user_optimizers.SignSGD, {"momentum": {"lr": 3e-4}}, ADAPTIVE),
     "Adafactor": (
         torch.optim.Adafactor,
         {  # eps1 fixed: its default is the param dtype's eps (bf16: 2^-7 vs float64: 2^-52)
@@ -162,7 +152,7 @@ OPTIMIZERS = {
                 "maximize": True,
             },
         },
-        (100, 1.0, 0.0, 0.01),
+        ADAPTIVE,
     ),
 }
 
