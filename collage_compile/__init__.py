@@ -14,16 +14,24 @@ from typing import Any
 
 from collage_compile.compiler import inductor_options, make_backend
 from collage_compile.config import CollageConfig
-from collage_compile.report import CollageWarning
+from collage_compile.metrics import last_metrics, metered, reset_metrics
+from collage_compile.names import name_tensors
+from collage_compile.report import CollageWarning, Explanation, explain
 from collage_compile.state import components, value
 
 __all__ = [
     "CollageConfig",
     "CollageWarning",
+    "Explanation",
     "backend",
     "components",
+    "explain",
     "inductor_options",
+    "last_metrics",
     "make_backend",
+    "metered",
+    "name_tensors",
+    "reset_metrics",
     "value",
 ]
 

@@ -88,7 +88,10 @@ class Accumulator:
         return self.example.dtype
 
     def describe(self) -> str:
-        return f"{self.name} {tuple(self.example.shape)} {str(self.dtype).replace('torch.', '')}"
+        from collage_compile import names
+
+        shown = names.display(self.real, self.name)
+        return f"{shown} {tuple(self.example.shape)} {str(self.dtype).replace('torch.', '')}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -367,13 +370,10 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
 
 
 def readable_name(node: fx.Node) -> str:
-    source = getattr(node, "_dynamo_source", None)
-    if source is not None:
-        try:
-            return source.name
-        except Exception:
-            pass
-    return str(node.target)
+    """Dynamo's source expression for an input node (shown as ``names.display`` later)."""
+    from collage_compile import names
+
+    return names.source_name(node)
 
 
 def storage_key(value: Any) -> Any:

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, report, state
+from collage_compile import _compat, names, report, state
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
+from collage_compile.metrics import GraphMetrics, Row
 
 log = logging.getLogger("collage_compile")
 
@@ -97,6 +98,7 @@ def compile_graph(
     from collage_compile import modes, passes, rewrite
 
     report.watch_fused_optimizers()
+    names.learn(gm, list(example_inputs))
     original = gm
     gm = _compat.copy_graph_module(gm)
     normalized = passes.normalize(gm, config)
@@ -105,6 +107,8 @@ def compile_graph(
     info = GraphInfo(gm, list(example_inputs), config)
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
+    # mode="off" measures the parameter updates the families recognized, then drops them all
+    measure_only = {w: s for w, s in ctx.sites.items() if w.acc.role == "param"}
     modes.select(info, ctx, config)
     unsupported = [w for w in info.writes if w.acc.eligible and w not in ctx.sites]
     rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
@@ -124,6 +128,8 @@ def compile_graph(
             if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
         }
     )
+    if config.mode == "off":
+        return _measure_only(original, gm, info, measure_only, example_inputs, config)
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
@@ -136,7 +142,9 @@ def compile_graph(
     with_lo = upgraded + rewrite.pair_readers(info, chains)
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, with_lo, fake_mode)
-    rewrite.emit(gm, info, chains, unsupported, config.arithmetic)
+    measured = rewrite.emit(gm, info, chains, unsupported, config.arithmetic, config.metrics)
+    if measured:
+        rewrite.add_metrics_output(gm, measured)
     gm.graph.lint()
     gm.recompile()
     log.debug(
@@ -150,7 +158,53 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, with_lo, unchained)
+    return _LoInputs(compiled, with_lo, unchained, _graph_metrics(measured, config))
+
+
+def _measure_only(
+    original: fx.GraphModule,
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    sites: dict[Any, Any],
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+) -> Callable[..., Any]:
+    """``mode="off"``: the graph as plain Inductor compiles it, plus (with metrics) the
+    measurements around its parameter writes.  A write here leaves any pair on the tensor
+    stale, so its lo restarts from zero after the call (a later collage graph resumes)."""
+    from collage_compile import rewrite
+
+    written = {w.acc: None for w in info.writes}
+    unchained = [a for a in written if a.carries_pair or a.real is None]
+    measured = []
+    if config.metrics and sites:
+        others = [w for w in info.writes if w.acc.role == "param" and w not in sites]
+        chains = rewrite.plan_chains(info, sites, others)
+        measured = rewrite.emit_measurements(gm, info, chains)
+    if not measured:
+        compiled = _compat.compile_with_inductor(original, example_inputs)
+        return _LoInputs(compiled, [], unchained) if unchained else compiled
+    rewrite.add_metrics_output(gm, measured)
+    gm.graph.lint()
+    gm.recompile()
+    # Inductor's own settings: its choice of what to materialize decides which bf16
+    # temporaries are rounded, and "off" promises plain Inductor's arithmetic
+    compiled = _compat.compile_with_inductor(gm, example_inputs)
+    return _LoInputs(compiled, [], unchained, _graph_metrics(measured, config))
+
+
+def _graph_metrics(measured: list[tuple[Accumulator, Any]], config: CollageConfig) -> Any:
+    if not measured:
+        return None
+    rows = [
+        Row(
+            acc.name,
+            weakref.ref(acc.real) if acc.real is not None else None,
+            acc.input_index if acc.real is None else None,
+        )
+        for acc, _ in measured
+    ]
+    return GraphMetrics(rows, config.mode)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
@@ -194,8 +248,10 @@ class _LoInputs:
         compiled: Callable[..., Any],
         upgraded: list[Accumulator],
         unchained: list[Accumulator] = (),  # type: ignore[assignment]
+        metrics: GraphMetrics | None = None,
     ):
         self.compiled = compiled
+        self.metrics = metrics
         self._attrs = [
             (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
             for slot, a in enumerate(upgraded)
@@ -229,6 +285,10 @@ class _LoInputs:
             call_los[slot] = state.lo_for(args[idx], by_view=True)
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
+        if self.metrics is not None:
+            # the last output is the metrics' sums (rewrite.add_metrics_output)
+            self.metrics.record(out[-1], args)
+            out = out[:-1]
         written = [(r(), a) for r, a in self._unchained_refs]
         written += [(args[i], a) for i, a in self._unchained_inputs]
         for t, acc in written:

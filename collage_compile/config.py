@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-MODES = ("light", "plus", "all")
+MODES = ("light", "plus", "all", "off")
 ARITHMETICS = ("fp32", "storage")
 
 
@@ -20,7 +20,9 @@ class CollageConfig:
         ``"plus"``: also decay-style accumulators ``x = b*x + (1-b)*y`` with
         ``b >= plus_min_decay`` (AdamW's second moment, RMSprop's square average), as in
         the paper's Collage-plus.  ``"all"``: every low-precision accumulator (momentum
-        buffers, first moments, Adagrad sums, BatchNorm running statistics).
+        buffers, first moments, Adagrad sums, BatchNorm running statistics).  ``"off"``:
+        nothing; the graph runs as plain Inductor would run it (with ``metrics=True``, the
+        same metrics are measured for plain low-precision arithmetic).
         Persistent cost: 2 bytes per upgraded element (bf16/fp16 lo); see README.
     plus_min_decay:
         The smallest decay ``b`` that ``mode="plus"`` upgrades.  bf16 resolves relative
@@ -31,11 +33,17 @@ class CollageConfig:
         once into the (hi, lo) pair, hi to nearest (default; more accurate, same bytes).
         ``"storage"``: the paper's Grow with every operation rounded to the storage dtype,
         bit-identical to running it op by op in eager bf16/fp16.
+    metrics:
+        Measure, in the same kernels as the update, how much of each parameter update is
+        applied (EDQ on hi + lo and on hi, the share of elements whose hi did not move, the
+        size of lo): :func:`collage_compile.last_metrics`.  Off by default; off changes
+        nothing in the generated code.
     """
 
     mode: str = "light"
     arithmetic: str = "fp32"
     plus_min_decay: float = 0.99
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -44,6 +52,8 @@ class CollageConfig:
             raise ValueError(
                 f"collage: plus_min_decay must be in (0, 1), got {self.plus_min_decay!r}"
             )
+        if not isinstance(self.metrics, bool):
+            raise TypeError(f"collage: metrics must be True or False, got {self.metrics!r}")
         if self.arithmetic not in ARITHMETICS:
             raise ValueError(
                 f"collage: arithmetic must be one of {ARITHMETICS}, got {self.arithmetic!r}"

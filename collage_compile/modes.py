@@ -49,9 +49,12 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     for w in info.writes:
         writes_of.setdefault(w.acc, []).append(w)
     for acc, writes in writes_of.items():
-        if acc.is_weight:  # a parameter, or an alias of a pair's tensor
+        if config.mode == "off":
+            reason = "mode='off' upgrades nothing: plain low-precision arithmetic"
+        elif acc.is_weight:  # a parameter, or an alias of a pair's tensor
             continue
-        reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
+        else:
+            reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if reason:
             acc.eligible, acc.reason = False, reason
             # mode='all' promises every accumulator: one it cannot carry is a warning

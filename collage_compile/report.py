@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from collage_compile import _compat
-from collage_compile.accumulators import readable_name, storage_key
+from collage_compile import _compat, names
+from collage_compile.accumulators import readable_name, real_value, storage_key
 from collage_compile.mcf import LOW_PRECISION as _LOW
 
 log = logging.getLogger("collage_compile")
 
 _warned: set[tuple[str, ...]] = set()
 _warn_lock = threading.Lock()
-_reports: collections.deque[GraphReport] = collections.deque(maxlen=64)
+_reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
+_graph_ids = itertools.count(1)
 
 
 class CollageWarning(UserWarning):
@@ -36,6 +40,12 @@ class Entry:
     applied: bool
     reason: str = ""
     warn: bool = False  # not upgraded although the mode asks for it: warned about once
+    ref: Any = dataclasses.field(default=None, compare=False, repr=False)  # weakref, if known
+
+    @property
+    def name(self) -> str:
+        """The tensor's name as shown (see :mod:`collage_compile.names`)."""
+        return names.display(self.ref() if self.ref is not None else None, self.tensor)
 
 
 @dataclasses.dataclass
@@ -43,6 +53,7 @@ class GraphReport:
     entries: list[Entry]
     mode: str
     arithmetic: str
+    graph_id: int = dataclasses.field(default_factory=lambda: next(_graph_ids))
 
     @classmethod
     def build(
@@ -54,16 +65,16 @@ class GraphReport:
             acc = w.acc
             shape = tuple(int(s) if _is_int(s) else -1 for s in acc.example.shape)
             dtype = str(acc.dtype).replace("torch.", "")
+            ref = _ref_of(info, acc.node)
             site = sites.get(w)
             if site is not None:
-                entries.append(Entry(acc.name, shape, dtype, acc.role, site.pattern, True))
+                entry = Entry(acc.name, shape, dtype, acc.role, site.pattern, True)
             elif not acc.eligible:
-                entries.append(
-                    Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason, acc.warn)
-                )
+                entry = Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason, acc.warn)
             else:
                 why = _why(w, fused)
-                entries.append(Entry(acc.name, shape, dtype, acc.role, w.op, False, why, True))
+                entry = Entry(acc.name, shape, dtype, acc.role, w.op, False, why, True)
+            entries.append(dataclasses.replace(entry, ref=ref))
         entries.extend(_other_writes(info))
         return cls(entries, config.mode, config.arithmetic)
 
@@ -73,26 +84,102 @@ class GraphReport:
                 continue
             warn_once(
                 (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason),
-                f"collage: not upgraded: {e.pattern} on {e.tensor} "
+                f"collage: not upgraded: {e.pattern} on {e.name} "
                 f"(shape {list(e.shape)}, {e.dtype}): {e.reason}",
                 stacklevel=3,
             )
 
-    def format(self) -> str:
-        rows = [("tensor", "shape", "dtype", "pattern", "upgraded", "reason")]
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row per tensor and outcome: (tensor, shape, dtype, patterns, upgraded, reason);
+        the writes of one tensor with the same outcome are merged (``mul_ + addcdiv_``)."""
+        merged: dict[tuple[Any, ...], list[Any]] = {}
         for e in self.entries:
+            key = (e.tensor, e.shape, e.dtype, e.applied, e.reason)
+            if key in merged:
+                if e.pattern not in merged[key][1]:
+                    merged[key][1].append(e.pattern)
+            else:
+                merged[key] = [e, [e.pattern]]
+        rows = []
+        for e, patterns in merged.values():
             rows.append(
                 (
-                    e.tensor,
+                    e.name,
                     str(list(e.shape)),
                     e.dtype,
-                    e.pattern,
-                    "yes" if e.applied else "no",
+                    " + ".join(patterns),
+                    f"yes ({self.mode})" if e.applied else "no",
                     e.reason,
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        return rows
+
+    def summary(self) -> str:
+        head = f"graph {self.graph_id} (mode={self.mode!r}, arithmetic={self.arithmetic!r})"
+        if not self.entries:
+            return f"{head}: writes no persistent tensor (nothing to upgrade)"
+        upgraded = {e.tensor for e in self.entries if e.applied}
+        left = {e.tensor for e in self.entries if not e.applied} - upgraded
+        sites = sum(e.applied for e in self.entries)
+        return (
+            f"{head}: {len(upgraded)} tensors upgraded ({sites} writes), "
+            f"{len(left)} left as written"
+        )
+
+    def format(self) -> str:
+        if not self.entries:
+            return self.summary()
+        return self.summary() + "\n" + _table(self.rows())
+
+
+_HEADER = ("tensor", "shape", "dtype", "pattern", "upgraded", "reason")
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    rows = [_HEADER, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+class Explanation:
+    """What the backend did in a set of compiled graphs; ``print()`` it for a table.
+
+    ``graphs``: the :class:`GraphReport` of each graph; ``upgraded`` / ``skipped``: the
+    entries (one per tensor write) of all of them."""
+
+    def __init__(self, graphs: list[GraphReport]):
+        self.graphs = graphs
+
+    @property
+    def upgraded(self) -> list[Entry]:
+        return [e for g in self.graphs for e in g.entries if e.applied]
+
+    @property
+    def skipped(self) -> list[Entry]:
+        return [e for g in self.graphs for e in g.entries if not e.applied]
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "collage: no graph compiled with the collage backend yet"
+        return "\n\n".join(g.format() for g in self.graphs)
+
+    def __repr__(self) -> str:
+        return f"<collage Explanation of {len(self.graphs)} graph(s)>\n{self}"
+
+
+def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Explanation:
+    """What the collage backend found and did.
+
+    ``explain()``: every graph compiled with it so far (the latest 256).
+    ``explain(fn, *args, **kwargs)``: calls ``fn(*args, **kwargs)`` (a function compiled
+    with the backend) and explains the graphs that call compiled; nothing when it compiled
+    none (already compiled: call ``torch._dynamo.reset()`` first, or use ``explain()``)."""
+    if fn is None:
+        return Explanation(reports())
+    with _reports_lock:
+        before = _reports[-1].graph_id if _reports else 0
+    fn(*args, **kwargs)
+    return Explanation([r for r in reports() if r.graph_id > before])
 
 
 def _other_writes(info: Any) -> list[Entry]:
@@ -123,9 +210,18 @@ def _other_writes(info: Any) -> list[Entry]:
                 "written",
                 False,
                 f"{dtype} is not low precision: left as written",
+                ref=_ref_of(info, node),
             )
         )
     return entries
+
+
+def _ref_of(info: Any, node: Any) -> Any:
+    """A weak reference to the real tensor behind an input node, if known at compile time."""
+    real = real_value(info, node)
+    if isinstance(real, torch.Tensor) and not _compat.is_fake(real):
+        return weakref.ref(real)
+    return None
 
 
 def _is_int(x: Any) -> bool:
@@ -225,13 +321,22 @@ def warn_once(key: tuple[str, ...], message: str, stacklevel: int = 2) -> None:
     warnings.warn(message, CollageWarning, stacklevel=stacklevel + 1)
 
 
+_reports_lock = threading.Lock()
+
+
 def record(rep: GraphReport) -> None:
-    _reports.append(rep)
+    with _reports_lock:
+        _reports.append(rep)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("collage: %s", rep.format())
+    else:
+        log.info("collage: %s", rep.summary())
 
 
 def reports() -> list[GraphReport]:
     """Reports of the most recently compiled graphs (oldest first)."""
-    return list(_reports)
+    with _reports_lock:
+        return list(_reports)
 
 
 def reset_warnings() -> None:

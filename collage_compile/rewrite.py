@@ -98,6 +98,28 @@ def mcf_chain(
     raise ValueError(f"unknown arithmetic {arithmetic!r}")
 
 
+def trace_steps(hi: Any, steps: list[tuple[str, tuple[Any, ...], Any]]) -> list[tuple[str, Any]]:
+    """Each step's operands in fp32, whatever the arithmetic: the update as the optimizer
+    computed it, before any rounding into storage (what ``metrics.intended_delta`` reads).
+    Shares its nodes with :func:`mcf_chain`'s (the compiler's CSE merges the repeats)."""
+    out: list[tuple[str, Any]] = []
+    for kind, args, fn in steps:
+        if kind == "add":
+            u = fn(*args)
+            out.append(("add", (f32(u) if _is_tensor(u) else u,)))
+        elif kind == "mul":
+            out.append(("mul", _factor_fp32(hi, args, fn)))
+        elif kind == "div":
+            out.append(("div", (f32(args[0]),)))
+        elif kind == "lerp":
+            out.append(("lerp", (f32(args[0]), f32(args[1]))))
+        elif kind == "set":
+            out.append(("set", (_set_value(hi, args[0]),)))
+        else:
+            raise ValueError(f"unknown step kind {kind!r}")
+    return out
+
+
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) or (isinstance(x, fx.Proxy) and not is_scalar(x))
 
@@ -374,10 +396,17 @@ def emit(
     chains: list[Chain],
     unsupported: list[Write],
     arithmetic: str,
-) -> None:
-    """Write each chain's MCF code into the graph and remove the writes it replaces."""
+    metrics: bool = False,
+) -> list[tuple[Accumulator, Any]]:
+    """Write each chain's MCF code into the graph and remove the writes it replaces.
+
+    With ``metrics``, a parameter's chain also computes ``metrics.step_sums`` from the
+    values it has at hand; returns [(accumulator, sums node)]."""
+    from collage_compile import metrics as _metrics
+
     graph = gm.graph
     em = _Emitter(graph)
+    measured: list[tuple[Accumulator, Any]] = []
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
@@ -391,6 +420,11 @@ def emit(
                 for step in site.steps
             ]
             new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype)
+            if metrics and acc.role == "param":
+                old_hi, old_lo = hi.float(), lo.float()
+                delta = _metrics.intended_delta(old_hi, old_lo, trace_steps(hi, steps))
+                sums = _metrics.step_sums(old_hi, old_lo, new_hi, new_lo, delta)
+                measured.append((acc, sums.node))
             hi.copy_(new_hi)
             lo.copy_(new_lo)
         # tag the chain's nodes (what a compact printout of the graph folds into one line)
@@ -406,6 +440,57 @@ def emit(
         with graph.inserting_after(w.node):
             em.proxy(w.acc.lo_node).zero_()
     _remove_claimed(gm, info, [s for c in chains for s in c.sites])
+    return measured
+
+
+def emit_measurements(
+    gm: fx.GraphModule, info: GraphInfo, chains: list[Chain]
+) -> list[tuple[Accumulator, Any]]:
+    """``mode="off"`` with metrics: leave every write as it is and measure around it.
+
+    The old value is copied before a chain's first write, the intended update computed
+    from the same operands the MCF chain would read (just before the last write, where
+    they are current), and the new value read after the last write."""
+    from collage_compile import metrics as _metrics
+
+    graph = gm.graph
+    em = _Emitter(graph)
+    measured: list[tuple[Accumulator, Any]] = []
+    for chain in chains:
+        acc = chain.acc
+        if acc.role != "param":
+            continue
+        first, last = chain.sites[0].write.node, chain.sites[-1].write.node
+        with graph.inserting_before(first):
+            old = em.proxy(acc.node).float()
+        with graph.inserting_before(last):
+            hi = em.proxy(acc.node)
+            steps = [
+                (step.kind, em.operands(step.args, info, acc), step.update)
+                for site in chain.sites
+                for step in site.steps
+            ]
+            delta = _metrics.intended_delta(old, 0.0, trace_steps(hi, steps))
+        with graph.inserting_before(last.next):
+            # Inductor may hand this read the fp32 value it is about to store instead of the
+            # stored one (it keeps fused bf16 chains in fp32 registers, FIELD_NOTES 1):
+            # rounding it again (to nearest even, as the store does) is a no-op on a stored
+            # value and the store's own rounding on the other
+            new = mcf.round_to(em.proxy(acc.node).float(), acc.dtype)
+            sums = _metrics.step_sums(old, 0.0, new, None, delta)
+        measured.append((acc, sums.node))
+    return measured
+
+
+def add_metrics_output(gm: fx.GraphModule, measured: list[tuple[Accumulator, Any]]) -> None:
+    """Stack the sums of every measured tensor into one [n, 7] tensor, returned after the
+    graph's own outputs (the backend's wrapper takes it off before Dynamo sees them)."""
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    with graph.inserting_before(out):
+        stacked = graph.call_function(torch.stack, ([node for _, node in measured],))
+    values = out.args[0]
+    out.args = ((*values, stacked),)
 
 
 def _remove_claimed(gm: fx.GraphModule, info: GraphInfo, sites: list[Site]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import collage_compile
-from collage_compile import _compat, report, state
+from collage_compile import _compat, metrics, report, state
 
 # Two cores: keep intra-op threads from oversubscribing while gcc compiles kernels.
 torch.set_num_threads(2)
@@ -22,6 +22,7 @@ def _fresh_state():
     _compat.reset_dynamo()
     state.clear()
     report.reset_warnings()
+    metrics.reset_metrics()
     yield
     _compat.reset_dynamo()
 

@@ -60,32 +60,28 @@ def _adamw_report(mode: str, amsgrad: bool = False) -> list[report.Entry]:
     return rep.entries
 
 
-def _entry(entries, state_key_suffix: str, pattern_prefix: str = "") -> report.Entry:
-    found = [
-        e
-        for e in entries
-        if e.tensor.endswith(state_key_suffix) and e.pattern.startswith(pattern_prefix)
-    ]
-    assert found, [(e.tensor, e.pattern) for e in entries]
+def _entry(entries, name: str, pattern_prefix: str = "") -> report.Entry:
+    found = [e for e in entries if e.name == name and e.pattern.startswith(pattern_prefix)]
+    assert found, [(e.name, e.pattern) for e in entries]
     return found[0]
 
 
 def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
-    # Dynamo names AdamW's state by insertion order: _0 step, _1 exp_avg, _2 exp_avg_sq, _3 max
+    # Dynamo names AdamW's state by key order: [0] step, [1] exp_avg, [2] exp_avg_sq, [3] max
     light = _adamw_report("light")
     plus = _adamw_report("plus", amsgrad=True)
     every = _adamw_report("all", amsgrad=True)
     assert all(e.applied for e in light if e.role == "param")
-    assert not _entry(light, "____2").applied  # exp_avg_sq
-    assert "mode='light'" in _entry(light, "____2").reason
-    assert _entry(plus, "____2").applied
-    assert not _entry(plus, "____1").applied  # exp_avg: decay 0.9 < 0.99
-    assert "decay 0.9" in _entry(plus, "____1").reason
-    assert _entry(every, "____1").applied and _entry(every, "____2").applied
+    assert not _entry(light, "state[0][2]").applied  # exp_avg_sq
+    assert "mode='light'" in _entry(light, "state[0][2]").reason
+    assert _entry(plus, "state[0][2]").applied
+    assert not _entry(plus, "state[0][1]").applied  # exp_avg: decay 0.9 < 0.99
+    assert "decay 0.9" in _entry(plus, "state[0][1]").reason
+    assert _entry(every, "state[0][1]").applied and _entry(every, "state[0][2]").applied
     for entries in (plus, every):
-        maximum = _entry(entries, "____3")  # max_exp_avg_sq, written by torch.maximum(out=)
+        maximum = _entry(entries, "state[0][3]")  # max_exp_avg_sq, written by torch.maximum(out=)
         assert not maximum.applied and "not an accumulation" in maximum.reason
-        step = _entry(entries, "____0")
+        step = _entry(entries, "state[0][0]")
         assert not step.applied and "float32 is not low precision" in step.reason
     print(report.reports()[-1].format())
 

@@ -1,0 +1,126 @@
+"""What ``metrics=True`` costs on a compiled AdamW step, measured side by side in one run.
+
+    python -m benchmarks.metrics_overhead [--size small|cpu|gpu] [--foreach] [--rounds 15]
+
+Four copies of the same bf16 parameters (a GPT-style layer list), each with its own stock
+``torch.optim.AdamW`` and compiled step: collage light without and with metrics, and
+``mode="off"`` (plain bf16, the graph Inductor would compile) without and with metrics.
+Steps are timed interleaved (round-robin, several rounds) and the median per variant is
+printed with the ratio metrics-on / metrics-off, plus the kernels and loop nests Inductor
+generated for each step (read from its C++ / Triton source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+import warnings
+
+import torch
+
+import collage_compile
+from collage_compile import _compat
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+SIZES = {
+    # (layers, width): a GPT block is qkv (w, 3w), proj (w, w), fc (w, 4w), fc2 (4w, w),
+    # their biases and two LayerNorms
+    "small": (2, 256),
+    "cpu": (4, 576),
+    "gpu": (12, 1024),
+}
+
+
+def layer_shapes(layers: int, width: int) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(layers):
+        shapes += [(3 * width, width), (3 * width,), (width, width), (width,)]
+        shapes += [(4 * width, width), (4 * width,), (width, 4 * width), (width,)]
+        shapes += [(width,)] * 4
+    return shapes
+
+
+def make_params(shapes, device):
+    g = torch.Generator().manual_seed(0)
+    ps = [
+        torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device, torch.bfloat16))
+        for s in shapes
+    ]
+    for p in ps:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device, torch.bfloat16)
+    return ps
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def count_code(code: list[str]) -> tuple[int, int]:
+    src = "\n".join(code)
+    kernels = len(set(re.findall(r"\b((?:cpp|triton)_\w+?_\d+)\b\s*(?:\(|=|\.run)", src)))
+    loops = src.count("#pragma omp for") + src.count("@triton.jit")
+    return kernels, loops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=SIZES, default="small")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")
+    args = ap.parse_args()
+
+    shapes = layer_shapes(*SIZES[args.size])
+    n = sum(torch.Size(s).numel() for s in shapes)
+    variants = {
+        "light": dict(mode="light"),
+        "light+metrics": dict(mode="light", metrics=True),
+        "off (plain bf16)": dict(mode="off"),
+        "off+metrics": dict(mode="off", metrics=True),
+    }
+    steps, info = {}, {}
+    for name, options in variants.items():
+        ps = make_params(shapes, args.device)
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=args.foreach)
+        fn = torch.compile(opt.step, backend=collage_compile.make_backend(**options))
+        t0 = time.perf_counter()
+        _, code = _compat.run_and_get_kernel_code(fn)
+        sync(args.device)
+        info[name] = (time.perf_counter() - t0, *count_code(code))
+        steps[name] = fn
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in steps.items():
+            sync(args.device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            sync(args.device)
+            samples[name].append((time.perf_counter() - t0) / args.steps)
+    med = {name: statistics.median(v) for name, v in samples.items()}
+
+    print(
+        f"AdamW step, {n / 1e6:.2f}M bf16 params in {len(shapes)} tensors, "
+        f"foreach={args.foreach}, {args.device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'variant':<18} {'ms/step':>8} {'ns/param':>9} {'compile s':>10} {'kernels':>8} {'loops':>6}"
+    )
+    for name in variants:
+        c, k, lp = info[name]
+        print(
+            f"{name:<18} {med[name] * 1e3:8.2f} {med[name] * 1e9 / n:9.3f} {c:10.1f} {k:8d} {lp:6d}"
+        )
+    for on, off in (("light+metrics", "light"), ("off+metrics", "off (plain bf16)")):
+        print(f"overhead of metrics, {off.split(' ')[0]}: {med[on] / med[off]:.3f}x")
+    print(f"collage light vs plain bf16: {med['light'] / med['off (plain bf16)']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
