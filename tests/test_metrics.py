@@ -106,7 +106,7 @@ def _reference(ps, his, los, intended):
 CASES = [
     # (optimizer, foreach, mode)
     ("sgd", False, "light"),
-    ("sgd_momentum_wd", False, "off"),
+    ("sgd_momentum_wd", True, "light"),
     ("adamw", True, "light"),
     ("adamw", False, "plus"),
     ("adamw", True, "off"),
