@@ -108,12 +108,14 @@ def compile_graph(
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
     # mode="off" measures the parameter updates the families recognized, then drops them all
-    measure_only = {w: s for w, s in ctx.sites.items() if w.acc.role == "param"}
+    measured_sites = {w: s for w, s in ctx.sites.items() if w.acc.role == "param"}
     modes.select(info, ctx, config)
     unsupported = [w for w in info.writes if w.acc.eligible and w not in ctx.sites]
     rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
     rep.warn_unsupported()
     report.record(rep)
+    if config.mode == "off":
+        return _measure_only(original, gm, info, measured_sites, example_inputs, config)
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
     upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
@@ -128,8 +130,6 @@ def compile_graph(
             if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
         }
     )
-    if config.mode == "off":
-        return _measure_only(original, gm, info, measure_only, example_inputs, config)
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
@@ -158,7 +158,7 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, with_lo, unchained, _graph_metrics(measured, config))
+    return _LoInputs(compiled, with_lo, unchained, _graph_metrics(measured))
 
 
 def _measure_only(
@@ -190,10 +190,10 @@ def _measure_only(
     # Inductor's own settings: its choice of what to materialize decides which bf16
     # temporaries are rounded, and "off" promises plain Inductor's arithmetic
     compiled = _compat.compile_with_inductor(gm, example_inputs)
-    return _LoInputs(compiled, [], unchained, _graph_metrics(measured, config))
+    return _LoInputs(compiled, [], unchained, _graph_metrics(measured))
 
 
-def _graph_metrics(measured: list[tuple[Accumulator, Any]], config: CollageConfig) -> Any:
+def _graph_metrics(measured: list[tuple[Accumulator, Any]]) -> GraphMetrics | None:
     if not measured:
         return None
     rows = [
@@ -204,7 +204,7 @@ def _graph_metrics(measured: list[tuple[Accumulator, Any]], config: CollageConfi
         )
         for acc, _ in measured
     ]
-    return GraphMetrics(rows, config.mode)
+    return GraphMetrics(rows)
 
 
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:

@@ -155,9 +155,8 @@ class Row:
 class GraphMetrics:
     """The measured tensors of one compiled graph and the sums of its latest call."""
 
-    def __init__(self, rows: list[Row], mode: str):
+    def __init__(self, rows: list[Row]):
         self.rows = rows
-        self.mode = mode
         self.latest: torch.Tensor | None = None
         self.seq = 0
         with _lock:

@@ -65,16 +65,26 @@ class GraphReport:
             acc = w.acc
             shape = tuple(int(s) if _is_int(s) else -1 for s in acc.example.shape)
             dtype = str(acc.dtype).replace("torch.", "")
-            ref = _ref_of(info, acc.node)
             site = sites.get(w)
             if site is not None:
-                entry = Entry(acc.name, shape, dtype, acc.role, site.pattern, True)
+                pattern, applied, reason, warn = site.pattern, True, "", False
             elif not acc.eligible:
-                entry = Entry(acc.name, shape, dtype, acc.role, w.op, False, acc.reason, acc.warn)
+                pattern, applied, reason, warn = w.op, False, acc.reason, acc.warn
             else:
-                why = _why(w, fused)
-                entry = Entry(acc.name, shape, dtype, acc.role, w.op, False, why, True)
-            entries.append(dataclasses.replace(entry, ref=ref))
+                pattern, applied, reason, warn = w.op, False, _why(w, fused), True
+            entries.append(
+                Entry(
+                    acc.name,
+                    shape,
+                    dtype,
+                    acc.role,
+                    pattern,
+                    applied,
+                    reason,
+                    warn,
+                    ref=_ref_of(info, acc.node),
+                )
+            )
         entries.extend(_other_writes(info))
         return cls(entries, config.mode, config.arithmetic)
 

@@ -134,6 +134,11 @@ def test_metrics_match_float64_and_leave_the_update_unchanged(opt_name, foreach,
     assert ours["edq_hi"] == pytest.approx(ref["edq_hi"], rel=tol, abs=tol)
     assert ours["imprecision"] == pytest.approx(ref["imprecision"], abs=2 / 3120)
     assert ours["lo_rel"] == pytest.approx(ref["lo_rel"], rel=1e-9, abs=1e-12)
+    # the stream is one plain storage loses: hi alone keeps at most half of it, hi + lo all
+    # of it (fails if the compensation became a no-op)
+    assert ref["edq_hi"] <= 0.5
+    if mode != "off":
+        assert ref["edq"] >= 0.99
     # the same step without metrics: bit for bit the same params, lo and state
     los = [state.components(p)[1] for p in ps]
     _compat.reset_dynamo()
