@@ -1,0 +1,419 @@
+"""Optimizer step speed, memory and compile time against the alternatives, side by side.
+
+    python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
+                              [--rounds 15] [--json PATH] [--plot PATH]
+
+One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``)
+and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
+
+* ``fp32 master``: (16, 32) mixed precision.  fp32 master weights, fp32 grads and state,
+  compiled with plain Inductor; the step also writes the bf16 model copy the forward pass
+  reads (``torch._foreach_copy_``), as such training must.
+* ``plain bf16``: bf16 parameters and state, plain Inductor (``backend="inductor"``).
+* ``collage light`` / ``collage plus``: this backend.
+* ``eager Collage``: the paper's Collage-light AdamW written op by op with eager bf16
+  ``torch._foreach_*`` ops (:class:`EagerCollageAdamW`), the reference-implementation baseline.
+* ``optimi Kahan`` / ``torchao bf16 SR``: when those packages are installed (skipped otherwise).
+
+Steps are timed interleaved (round-robin over the variants and a copy of the same bytes,
+several rounds) and the median is reported as ms/step and ns/param, with the ratio to the
+fp32-master and the plain-bf16 steps, the bytes each step must move (counted per parameter:
+the floor), the bandwidth that implies against the copy bandwidth measured in the same run,
+persistent bytes/param (measured from the tensors), peak memory during a step, cold compile
+time (a fresh Inductor cache directory per run) and the kernels / parallel loop nests read
+from the generated code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+# A cold cache, so compile times are comparable between variants and between runs
+# (set before torch imports Inductor).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="collage-bench-"))
+
+import torch
+
+import collage_compile
+from benchmarks.metrics_overhead import SIZES, count_code, layer_shapes, sync
+from collage_compile import _compat
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
+
+# Bytes a step must read and write per parameter (the memory-bound floor), AdamW:
+# fp32 master: master r/w 8, fp32 grad 4, m r/w 8, v r/w 8, bf16 model copy written 2;
+# bf16: p r/w 4, grad 2, m r/w 4, v r/w 4; light adds lo r/w 4; plus also v's lo r/w 4.
+FLOOR_BYTES = {"fp32": 30, "bf16": 14, "light": 18, "plus": 22}
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    step: Callable[[], Any]
+    tensors: Callable[[], list[torch.Tensor]]  # everything the step keeps between steps
+    floor: int | None  # bytes/param the step must move (None: not counted)
+    compiled: bool = True
+    compile_s: float | None = None
+    kernels: int | None = None
+    loops: int | None = None
+    samples: list[float] = dataclasses.field(default_factory=list)
+    peak_bytes: int | None = None
+
+
+def make_params(
+    shapes: list[tuple[int, ...]], device: str, dtype: torch.dtype
+) -> list[torch.nn.Parameter]:
+    """The same values for every variant (seeded), stored in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    ps = []
+    for s in shapes:
+        p = torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(s, generator=g) * 1e-3).to(device, dtype)
+        ps.append(p)
+    return ps
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+class EagerCollageAdamW:
+    """Collage-light AdamW (arXiv 2405.03637, Algorithm 2 with Grow), op by op in eager bf16.
+
+    Every operation is a ``torch._foreach_*`` op on bf16 tensors, so each one is rounded
+    to bf16 as the paper's algorithm specifies and each is its own pass over memory: the
+    cost of the algorithm without a compiler.  Moments are plain bf16 (light); the weight
+    update ``u = -lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` is added to the pair
+    ``(p, dp)`` with Grow: ``s = p + u; dp += u - (s - p); p = s + dp; dp -= p - s``.
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.dp = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        b1, b2 = BETAS
+        self.t += 1
+        grads = [p.grad for p in self.params]
+        torch._foreach_lerp_(self.m, grads, 1 - b1)
+        torch._foreach_mul_(self.v, b2)
+        torch._foreach_addcmul_(self.v, grads, grads, 1 - b2)
+        denom = torch._foreach_sqrt(self.v)
+        torch._foreach_div_(denom, (1 - b2**self.t) ** 0.5)
+        torch._foreach_add_(denom, EPS)
+        u = torch._foreach_div(self.m, denom)
+        torch._foreach_add_(u, self.params, alpha=WD * (1 - b1**self.t))
+        torch._foreach_mul_(u, -LR / (1 - b1**self.t))
+        s = torch._foreach_add(self.params, u)  # Grow
+        torch._foreach_add_(u, torch._foreach_sub(s, self.params), alpha=-1)
+        torch._foreach_add_(self.dp, u)
+        new_p = torch._foreach_add(s, self.dp)
+        torch._foreach_add_(self.dp, torch._foreach_sub(new_p, s), alpha=-1)
+        torch._foreach_copy_(self.params, new_p)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.params, *self.m, *self.v, *self.dp]
+
+
+def build_variants(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
+    variants = []
+
+    # (16, 32): fp32 master weights and state; the bf16 model copy written every step
+    master = make_params(shapes, device, torch.float32)
+    model = [p.detach().to(torch.bfloat16) for p in master]
+    opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=foreach)
+
+    def step32(opt=opt32, master=master, model=model):
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(model, master)
+
+    variants.append(
+        Variant(
+            "fp32 master (16,32)",
+            torch.compile(step32, backend="inductor"),
+            lambda: [*master, *model, *_state_tensors(opt32)],
+            FLOOR_BYTES["fp32"],
+        )
+    )
+
+    def stock(name: str, backend: Any, floor: int) -> Variant:
+        ps = make_params(shapes, device, torch.bfloat16)
+        opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=foreach)
+
+        def tensors() -> list[torch.Tensor]:
+            los = [collage_compile.components(p)[1] for p in ps]
+            los += [collage_compile.components(t)[1] for t in _state_tensors(opt)]
+            return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
+
+        return Variant(name, torch.compile(opt.step, backend=backend), tensors, floor)
+
+    variants.append(stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]))
+    variants.append(
+        stock("collage light", collage_compile.make_backend(mode="light"), FLOOR_BYTES["light"])
+    )
+    variants.append(
+        stock("collage plus", collage_compile.make_backend(mode="plus"), FLOOR_BYTES["plus"])
+    )
+
+    ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
+    variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
+
+    variants += _third_party(shapes, device, foreach)
+    return variants
+
+
+def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
+    """optimi's Kahan-summation AdamW and torchao's bf16 stochastic-rounding AdamW, when
+    installed (their own kernels, run as their authors ship them)."""
+    out = []
+    try:
+        import optimi  # type: ignore[import-not-found]
+    except ImportError:
+        print("skipped: optimi Kahan AdamW (torch-optimi not installed)", file=sys.stderr)
+    else:
+        ps = make_params(shapes, device, torch.bfloat16)
+        opt = optimi.AdamW(ps, lr=LR, weight_decay=WD, kahan_sum=True, foreach=foreach)
+        out.append(
+            Variant(
+                "optimi Kahan",
+                opt.step,
+                lambda: [*ps, *_state_tensors(opt)],
+                FLOOR_BYTES["light"],
+                compiled=False,
+            )
+        )
+    try:
+        from torchao.optim import AdamW as TorchaoAdamW  # type: ignore[import-not-found]
+    except ImportError:
+        print("skipped: torchao bf16 SR AdamW (torchao not installed)", file=sys.stderr)
+    else:
+        ps = make_params(shapes, device, torch.bfloat16)
+        opt = TorchaoAdamW(ps, lr=LR, weight_decay=WD, bf16_stochastic_round=True)
+        out.append(
+            Variant(
+                "torchao bf16 SR",
+                opt.step,
+                lambda: [*ps, *_state_tensors(opt)],
+                FLOOR_BYTES["bf16"],
+                compiled=False,  # torchao compiles its own step internally
+            )
+        )
+    return out
+
+
+def _warm_up_inductor(device: str) -> None:
+    """Pay the process's one-time Inductor costs (imports, compiler probing) before the
+    first timed compile."""
+    x = torch.ones(8, device=device)
+    torch.compile(lambda t: t * 2 + 1, backend="inductor")(x)
+    sync(device)
+
+
+def compile_variant(v: Variant, device: str) -> None:
+    """First call: compile time (whole first step) and the generated code's kernels."""
+    t0 = time.perf_counter()
+    if v.compiled:
+        _, code = _compat.run_and_get_kernel_code(v.step)
+        v.kernels, v.loops = count_code(code)
+    else:
+        v.step()
+    sync(device)
+    if v.compiled:
+        v.compile_s = time.perf_counter() - t0
+
+
+def peak_during_step(v: Variant, device: str) -> int | None:
+    """Peak bytes allocated during one step, persistent tensors included.
+
+    CUDA: the caching allocator's peak.  CPU: the live-bytes high-water mark of the
+    allocations the profiler records during the step, added to the persistent bytes."""
+    persistent = sum(t.nbytes for t in v.tensors())
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        v.step()
+        torch.cuda.synchronize()
+        return persistent + torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        v.step()
+    live = peak = 0
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if ev.name == "[memory]":
+            live += ev.cpu_memory_usage
+            peak = max(peak, live)
+    return persistent + peak
+
+
+def copy_bandwidth_step(n: int, device: str) -> tuple[Callable[[], Any], int]:
+    """A copy of ``n`` fp32 values: the bandwidth reference, timed in the same rounds."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * src.nbytes
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch._dynamo.config.recompile_limit = 64  # one cache entry per variant of AdamW.step
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = layer_shapes(*SIZES[args.size])
+    n = sum(torch.Size(s).numel() for s in shapes)
+    _warm_up_inductor(args.device)
+    variants = build_variants(shapes, args.device, args.foreach)
+    for v in variants:
+        compile_variant(v, args.device)
+        v.peak_bytes = peak_during_step(v, args.device)
+        print(f"compiled {v.name}: {v.compile_s or 0:.1f} s", file=sys.stderr, flush=True)
+    copy_fn, copy_bytes = copy_bandwidth_step(n, args.device)
+    copy_fn()
+    copy_samples: list[float] = []
+
+    def timed(fn: Callable[[], Any]) -> float:
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            fn()
+        sync(args.device)
+        return (time.perf_counter() - t0) / args.steps
+
+    for _ in range(args.rounds):
+        copy_samples.append(timed(copy_fn))
+        for v in variants:
+            v.samples.append(timed(v.step))
+
+    copy_gbs = copy_bytes / statistics.median(copy_samples) / 1e9
+    med = {v.name: statistics.median(v.samples) for v in variants}
+    rows = []
+    for v in variants:
+        t = med[v.name]
+        persistent = sum(x.nbytes for x in v.tensors())
+        gbs = v.floor * n / t / 1e9 if v.floor else None
+        rows.append(
+            {
+                "variant": v.name,
+                "ms_per_step": t * 1e3,
+                "ns_per_param": t * 1e9 / n,
+                "vs_fp32_master": t / med["fp32 master (16,32)"],
+                "vs_plain_bf16": t / med["plain bf16"],
+                "floor_bytes_per_param": v.floor,
+                "floor_GBps": gbs,
+                "of_copy_bandwidth": gbs / copy_gbs if gbs else None,
+                "persistent_bytes_per_param": persistent / n,
+                "peak_MB": v.peak_bytes / 1e6 if v.peak_bytes is not None else None,
+                "compile_s": v.compile_s,
+                "kernels": v.kernels,
+                "loops": v.loops,
+            }
+        )
+    return {
+        "command": "python -m benchmarks.step " + " ".join(sys.argv[1:]),
+        "device": args.device,
+        "machine": _machine(args.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": n,
+        "tensors": len(shapes),
+        "foreach": args.foreach,
+        "rounds": args.rounds,
+        "steps_per_sample": args.steps,
+        "copy_GBps": copy_gbs,
+        "rows": rows,
+    }
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def format_table(res: dict[str, Any]) -> str:
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        f"AdamW step, {res['params'] / 1e6:.2f}M params in {res['tensors']} tensors, "
+        f"foreach={res['foreach']}, {res['device']} ({res['machine']}), torch {res['torch']}, "
+        f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "
+        f"{res['steps_per_sample']} steps; copy bandwidth {res['copy_GBps']:.1f} GB/s",
+        f"{'variant':<20} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
+        f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
+        f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"{r['variant']:<20} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
+            f"{r['vs_fp32_master']:7.2f} {r['vs_plain_bf16']:7.2f} "
+            f"{f(r['floor_bytes_per_param'], 'd'):>7} {f(r['floor_GBps'], '.1f'):>6} "
+            f"{f(r['of_copy_bandwidth'], '.0%'):>7} {r['persistent_bytes_per_param']:9.2f} "
+            f"{f(r['peak_MB'], '.0f'):>8} {f(r['compile_s'], '.1f'):>9} "
+            f"{f(r['kernels'], 'd'):>7} {f(r['loops'], 'd'):>5}"
+        )
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([r["variant"] for r in rows], [r["ns_per_param"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ns / parameter / step (lower is better)")
+    ax.set_title(f"AdamW step, {res['params'] / 1e6:.1f}M params, {res['device']}")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=SIZES, default="cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write a bar chart (matplotlib)")
+    args = ap.parse_args()
+    res = run(args)
+    print(format_table(res))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+    if args.plot:
+        plot(res, args.plot)
+
+
+if __name__ == "__main__":
+    main()
