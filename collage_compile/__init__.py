@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from collage_compile.checkpoint import attach, convert, set_value
 from collage_compile.compiler import inductor_options, make_backend
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import last_metrics, metered, reset_metrics
@@ -23,8 +24,10 @@ __all__ = [
     "CollageConfig",
     "CollageWarning",
     "Explanation",
+    "attach",
     "backend",
     "components",
+    "convert",
     "explain",
     "inductor_options",
     "last_metrics",
@@ -32,6 +35,7 @@ __all__ = [
     "metered",
     "name_tensors",
     "reset_metrics",
+    "set_value",
     "value",
 ]
 

@@ -252,6 +252,7 @@ class _LoInputs:
     ):
         self.compiled = compiled
         self.metrics = metrics
+        self._upgraded = list(upgraded)
         self._attrs = [
             (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
             for slot, a in enumerate(upgraded)
@@ -280,20 +281,28 @@ class _LoInputs:
                 )
             if los[slot] is None or state.get_lo(t) is not los[slot]:
                 los[slot] = state.lo_for(t)
+            state.check(t, los[slot], acc.name)
         call_los = list(los)
         for slot, idx in self._by_input:
-            call_los[slot] = state.lo_for(args[idx], by_view=True)
+            call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
+            state.check(args[idx], lo, self._upgraded[slot].name)
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
         if self.metrics is not None:
             # the last output is the metrics' sums (rewrite.add_metrics_output)
             self.metrics.record(out[-1], args)
             out = out[:-1]
+        # hi and lo moved together: remember hi as it is now (state.check, next call)
+        for slot, ref, *_ in self._attrs:
+            state.stamp(ref(), call_los[slot])
+        for slot, idx in self._by_input:
+            state.stamp(args[idx], call_los[slot])
         written = [(r(), a) for r, a in self._unchained_refs]
         written += [(args[i], a) for i, a in self._unchained_inputs]
         for t, acc in written:
             for owner, lo in state.los_overlapping(t) if t is not None else ():
                 lo.zero_()
+                state.stamp(owner, lo) if owner is not None else state.forget(lo)
                 if owner is not t:
                     report.warn_once(
                         ("alias", acc.name, acc.describe()),

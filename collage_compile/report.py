@@ -258,6 +258,7 @@ _fused_hook = None
 _fused_lock = threading.Lock()
 _warn_fused_eagerly: Any = None
 _warn_untraced_eagerly: Any = None
+_warn_param_eagerly: Any = None
 
 
 def watch_fused_optimizers() -> None:
@@ -278,15 +279,22 @@ def watch_fused_optimizers() -> None:
         # Dynamo graph-breaks on a disabled function and runs it eagerly: the warning is
         # never traced into a graph (only fused optimizers, which run eagerly anyway, reach it)
         _warn_fused_eagerly = torch.compiler.disable(_warn_fused)
-        global _warn_untraced_eagerly
+        global _warn_untraced_eagerly, _warn_param_eagerly
         _warn_untraced_eagerly = torch.compiler.disable(_warn_untraced)
+        _warn_param_eagerly = torch.compiler.disable(_warn_param)
         _fused_hook = register_optimizer_step_pre_hook(_check_fused)
 
 
 def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
     # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
     # False and adds nothing to the graph.
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            dtype = getattr(p, "dtype", None)
+            if dtype == torch.complex32:
+                _warn_param_eagerly("complex", type(optimizer).__name__, g, i, tuple(p.shape))
+            elif dtype in _LOW and p.grad is not None and p.grad.layout != torch.strided:
+                _warn_param_eagerly("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
         if not any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
             continue
         if group.get("fused"):
@@ -297,6 +305,23 @@ def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
         ):
             _warn_untraced_eagerly(type(optimizer).__name__)
             return
+
+
+_PARAM_REASONS = {
+    "complex": "is complex32: a (hi, lo) pair is real-valued, so its updates run as written, "
+    "in plain fp16 complex arithmetic (updates below half an ulp are lost)",
+    "sparse": "has a sparse gradient: Dynamo does not trace sparse tensors, so this step runs "
+    "eagerly and the parameter is updated in plain low precision (updates below half an ulp "
+    "are lost); use a dense gradient (e.g. nn.Embedding(sparse=False)) to have it upgraded",
+}
+
+
+def _warn_param(kind: str, opt: str, group: int, index: int, shape: tuple[int, ...]) -> None:
+    warn_once(
+        (kind, opt, str(group), str(index)),
+        f"collage: {opt} param_groups[{group}].params[{index}] {shape} {_PARAM_REASONS[kind]}",
+        stacklevel=4,
+    )
 
 
 def _warn_fused(name: str) -> None:

@@ -15,6 +15,7 @@ the pair its ``detach()`` alias carried.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 import weakref
@@ -25,7 +26,20 @@ import torch
 from collage_compile import _compat, mcf
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["clear", "components", "empty_lo", "get_lo", "lo_for", "los_overlapping", "value"]
+__all__ = [
+    "check",
+    "clear",
+    "components",
+    "empty_lo",
+    "get_lo",
+    "lo_for",
+    "los_overlapping",
+    "set_lo",
+    "stamp",
+    "value",
+]
+
+log = logging.getLogger("collage_compile")
 
 _lock = threading.Lock()
 # id(tensor) -> (weakref to tensor, lo)
@@ -159,12 +173,12 @@ def empty_lo(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.size(), dtype=t.dtype, device=t.device)
 
 
-def _fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
+def _fits(lo: torch.Tensor, t: torch.Tensor, any_device: bool = False) -> bool:
     dense = _compat.is_non_overlapping_and_dense(t)
     return (
         lo.dtype == t.dtype
         and lo.shape == t.shape
-        and lo.device == t.device
+        and (any_device or lo.device == t.device)
         and (lo.stride() == t.stride() if dense else lo.is_contiguous())
     )
 
@@ -183,6 +197,9 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
     lo = get_lo(t)
     if lo is not None and _fits(lo, t):
         return lo
+    if lo is not None and not by_view and _fits(lo, t, any_device=True):
+        # ``module.to(device)``: the values moved, so their corrections move too
+        return _replace(t, lo.to(t.device))
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
     if by_view:
@@ -202,15 +219,47 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
                 _warn_refit(lo, t)
             with torch.no_grad():
                 lo = empty_lo(t).zero_()
-            key, ptr = id(t), t.untyped_storage().data_ptr()
-            old = _entries.get(key)
-            if old is not None:  # re-fitted: the tensor may sit on a new storage now
-                for ids in _by_storage.values():
-                    ids.discard(key)
-            ref = weakref.ref(t, lambda r, key=key, ptr=ptr: _drop(key, r, ptr))
-            _entries[key] = (ref, lo)
-            _by_storage.setdefault(ptr, set()).add(key)
+            _register(t, lo)
     return lo
+
+
+def _register(t: torch.Tensor, lo: torch.Tensor) -> None:
+    """Make ``lo`` the pair of ``t`` (by identity); the caller holds ``_lock``."""
+    key, ptr = id(t), t.untyped_storage().data_ptr()
+    old = _entries.get(key)
+    if old is not None:  # re-fitted: the tensor may sit on a new storage now
+        for ids in _by_storage.values():
+            ids.discard(key)
+    ref = weakref.ref(t, lambda r, key=key, ptr=ptr: _drop(key, r, ptr))
+    _entries[key] = (ref, lo)
+    _by_storage.setdefault(ptr, set()).add(key)
+
+
+def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Register ``lo`` for ``t`` keeping what was known about the old pair's hi (a lo that
+    moved device with its tensor still belongs to the same values)."""
+    old = get_lo(t)
+    with _lock:
+        _register(t, lo)
+    if old is not None and id(old) in _stamps:
+        _, owner, _version, probe, pending = _stamps[id(old)]
+        # the move gave the tensor a new version counter: re-read it, keep the probe
+        _stamps[id(lo)] = _Stamp(weakref.ref(lo), owner, t._version, _to(probe, lo), pending)
+    return lo
+
+
+def set_lo(t: torch.Tensor, lo: torch.Tensor) -> None:
+    """Make ``lo`` (copied into ``t``'s layout) the correction of ``t`` and record ``t``
+    as it is now, so that only a later write outside a compiled step invalidates it."""
+    if t.dtype not in LOW_PRECISION:
+        raise TypeError(f"collage: lo given for a {t.dtype} tensor of shape {tuple(t.shape)}")
+    if lo.shape != t.shape:
+        raise ValueError(f"collage: lo of shape {tuple(lo.shape)} for a tensor {tuple(t.shape)}")
+    with torch.no_grad():
+        new = empty_lo(t).copy_(lo)
+    with _lock:
+        _register(t, new)
+    stamp(t, new)
 
 
 def _warn_refit(lo: torch.Tensor, t: torch.Tensor) -> None:
@@ -253,6 +302,7 @@ def clear() -> None:
         _entries.clear()
         _by_storage.clear()
         _by_view.clear()
+        _stamps.clear()
         _views_live_after_sweep = 0
 
 
@@ -261,3 +311,136 @@ def count() -> int:
     with _lock:
         _sweep_views()
     return len(_entries) + len(_by_view)
+
+
+# --------------------------------------------------------------------------------------
+# Writes from outside: a lo describes the hi it was computed with.  After every compiled
+# call the backend records, per pair, the owner tensor's version counter and a few sampled
+# elements of hi (a probe).  Before the next call a changed version (``load_state_dict``,
+# ``torch.no_grad(): p.fill_``, ``p.detach().copy_``) or a changed probe (``p.data.copy_``:
+# ``.data`` has a version counter of its own, so only the values tell) means hi was
+# overwritten: its old lo would be added back to a value it does not belong to, so it is
+# zeroed.  A lo restored from a checkpoint carries a checksum of the hi it was saved with
+# instead, checked once (the model's weights may be loaded after the optimizer's state).
+
+_PROBES = 8
+
+
+class _Stamp(tuple):
+    """(lo weakref, owner weakref or None, owner version, probe, pending checksum)."""
+
+    def __new__(cls, *fields: Any) -> _Stamp:
+        return super().__new__(cls, fields)
+
+
+# id(lo) -> _Stamp
+_stamps: dict[int, _Stamp] = {}
+
+
+def _probe_index(t: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    n = t.numel()
+    if n == 0:
+        return None
+    # spread over the whole tensor, deterministic, distinct where n allows
+    flat = sorted({(i * 2654435761 + 7) % n for i in range(_PROBES)} | {0, n - 1})
+    idx = torch.tensor(flat, dtype=torch.long)
+    if t.dim() <= 1:
+        return (idx.to(t.device),) if t.dim() == 1 else ()
+    return tuple(c.to(t.device) for c in torch.unravel_index(idx, t.shape))
+
+
+_index_cache: dict[tuple, tuple[torch.Tensor, ...] | None] = {}
+
+
+def _probe(t: torch.Tensor) -> torch.Tensor | None:
+    key = (tuple(t.shape), t.device)
+    index = _index_cache.get(key)
+    if index is None and key not in _index_cache:
+        index = _index_cache[key] = _probe_index(t)
+    if index is None:
+        return None
+    with torch.no_grad():
+        # bit patterns, so that a NaN compares equal to itself
+        return t.detach()[index].view(_BITS[t.dtype]).clone()
+
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _to(probe: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if probe is None else probe.to(like.device)
+
+
+def _forget_stamp(key: int, ref: weakref.ref) -> None:
+    entry = _stamps.get(key)
+    if entry is not None and entry[0] is ref:
+        del _stamps[key]
+
+
+def _owner_of(lo: torch.Tensor) -> torch.Tensor | None:
+    for ref, entry_lo in list(_entries.values()):
+        if entry_lo is lo:
+            return ref()
+    return None
+
+
+def stamp(t: torch.Tensor, lo: torch.Tensor, pending: tuple[int, int] | None = None) -> None:
+    """Record ``t`` (the hi of ``lo``, or an alias of it) as it is now."""
+    key = id(lo)
+    old = _stamps.get(key)
+    if old is not None and old[0]() is lo:
+        owner_ref = old[1]
+    else:
+        owner = _owner_of(lo)
+        owner_ref = weakref.ref(owner) if owner is not None else None
+    owner = owner_ref() if owner_ref is not None else None
+    version = owner._version if owner is not None else None
+    ref = weakref.ref(lo, lambda r, key=key: _forget_stamp(key, r))
+    _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending)
+
+
+def forget(lo: torch.Tensor) -> None:
+    """Drop what was recorded for ``lo`` (nothing to check before its next use)."""
+    _stamps.pop(id(lo), None)
+
+
+def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
+    """Zero ``lo`` if ``t`` (its hi, or an alias) was written since :func:`stamp` by
+    anything but a compiled step; True if it was kept."""
+    entry = _stamps.get(id(lo))
+    if entry is None or entry[0]() is not lo:
+        return True
+    _, owner_ref, version, probe, pending = entry
+    if pending is not None:
+        if checksum(t) == pending:
+            stamp(t, lo)
+            return True
+        why = "its weights differ from those it was saved with"
+    else:
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and owner._version != version:
+            why = f"version {version} -> {owner._version}"
+        elif probe is not None and not torch.equal(_probe(t), probe):
+            why = "its values changed (a write through .data?)"
+        else:
+            return True
+    with torch.no_grad():
+        lo.zero_()
+    stamp(t, lo)
+    log.debug(
+        "collage: %s %s was written outside a compiled step (%s); its lo restarts from zero",
+        name or "tensor",
+        tuple(t.shape),
+        why,
+    )
+    return False
+
+
+def checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums of ``t``'s bit patterns (plain and position-weighted): equal for
+    equal tensors, different for different ones but by a 2^-64 coincidence."""
+    with torch.no_grad():
+        bits = t.detach().reshape(-1).view(_BITS[t.dtype]).to(torch.int64)
+        n = bits.numel()
+        weights = (torch.arange(n, device=t.device, dtype=torch.int64) * 2654435761) % 65521
+        return int(bits.sum()), int((bits * (weights + 1)).sum())

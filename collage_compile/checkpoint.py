@@ -1,0 +1,234 @@
+"""lo state in checkpoints, and conversions between full and low precision without loss.
+
+The lo components are training state: a checkpoint without them resumes from a value that
+differs from the one the run was tracking by up to half a bf16 ulp per weight, and a resumed
+run then drifts from the uninterrupted one.  One line per object puts them where users
+already save state:
+
+    collage_compile.attach(optimizer)   # lo of its params and of its (plus-mode) state
+    collage_compile.attach(ema_model)   # an nn.Module, e.g. an AveragedModel EMA
+
+after which ``optimizer.state_dict()`` / ``module.state_dict()`` carry every lo (same dtype as
+its tensor, so ``Optimizer.load_state_dict``'s cast to the param's dtype could not touch it
+even if it saw it) and ``load_state_dict`` restores them.  Each lo travels with a checksum of
+the hi it belongs to: a lo restored before its weights are loaded (``opt.load_state_dict``
+then ``model.load_state_dict``) is checked against the weights on the next compiled step,
+and dropped (zeroed, debug log) if they are not the ones it was saved with.
+
+Keys: optimizer state entries gain ``"collage_lo"`` (the param's), ``"collage_lo.<name>"``
+(its state tensor ``<name>``'s) and ``"collage_hi"`` (int64 checksum of the param); module
+state dicts gain ``"<param>._collage_lo"`` / ``"<param>._collage_hi"``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from collage_compile import state
+from collage_compile.mcf import LOW_PRECISION
+
+__all__ = ["attach", "convert", "set_value"]
+
+LO = "collage_lo"
+HI = "collage_hi"
+_MODULE_LO = "._collage_lo"
+_MODULE_HI = "._collage_hi"
+
+# object -> hook handles (attach is idempotent)
+_attached: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
+    """Save and restore lo components with these optimizers' and modules' state dicts.
+
+    Call once per object, before saving or loading (calling again does nothing).  An
+    optimizer carries the lo of its parameters and of its state tensors; a module the lo
+    of its parameters (use it for EMAs, which no optimizer holds).
+    """
+    for obj in objects:
+        if obj in _attached:
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            _attached[obj] = _attach_optimizer(obj)
+        elif isinstance(obj, torch.nn.Module):
+            _attached[obj] = _attach_module(obj)
+        else:
+            raise TypeError(
+                f"collage: attach() takes optimizers and modules, got {type(obj).__name__}"
+            )
+
+
+def _checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(state.checksum(t), dtype=torch.int64)
+
+
+def _restore(t: torch.Tensor, lo: torch.Tensor, saved_hi: torch.Tensor | None) -> None:
+    """Make ``lo`` the pair of ``t``, kept by the next compiled step only if ``t`` then holds
+    the hi ``lo`` was saved with."""
+    if t.dtype not in LOW_PRECISION:
+        return  # the run that saved it used low precision; this one does not: nothing to add
+    state.set_lo(t, lo.to(device=t.device, dtype=t.dtype))
+    if saved_hi is None:
+        return
+    # checked on the next compiled step, whatever is loaded into ``t`` before it (the
+    # weights may be loaded after the optimizer state, or twice)
+    state.stamp(t, state.get_lo(t), pending=tuple(int(x) for x in saved_hi.tolist()))
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def _params_by_index(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    # the numbering Optimizer.state_dict() packs with: params in group order
+    out: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out[len(out)] = p
+    return out
+
+
+def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
+    pending: dict[int, dict[str, Any]] = {}
+
+    def save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        packed = dict(sd["state"])  # its entries are the live state dicts: copy, never mutate
+        for i, p in _params_by_index(opt).items():
+            extra: dict[str, Any] = {}
+            lo = state.components(p)[1]
+            if lo is not None:
+                extra[LO] = lo.detach().clone()
+            for name, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    vlo = state.components(v)[1]
+                    if vlo is not None:
+                        extra[f"{LO}.{name}"] = vlo.detach().clone()
+            if extra:
+                extra[HI] = _checksum_tensor(p)
+                packed[i] = {**packed.get(i, {}), **extra}
+        return {**sd, "state": packed}
+
+    def before_load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        pending.clear()
+        packed = {}
+        for i, entry in sd["state"].items():
+            ours = {k: v for k, v in entry.items() if k == HI or k == LO or k.startswith(LO + ".")}
+            if ours:
+                pending[i] = ours
+                entry = {k: v for k, v in entry.items() if k not in ours}
+            if entry:
+                packed[i] = entry
+        return {**sd, "state": packed}
+
+    def after_load(opt: torch.optim.Optimizer) -> None:
+        params = _params_by_index(opt)
+        for i, ours in pending.items():
+            p = params[int(i)]
+            saved_hi = ours.get(HI)
+            if LO in ours:
+                _restore(p, ours[LO], saved_hi)
+            for key, lo in ours.items():
+                if key.startswith(LO + "."):
+                    v = opt.state.get(p, {}).get(key[len(LO) + 1 :])
+                    if isinstance(v, torch.Tensor):
+                        # state tensors were just loaded with their hi: nothing to wait for
+                        _restore(v, lo, None)
+        pending.clear()
+
+    return [
+        optimizer.register_state_dict_post_hook(save),
+        optimizer.register_load_state_dict_pre_hook(before_load),
+        optimizer.register_load_state_dict_post_hook(after_load),
+    ]
+
+
+# -------------------------------------------------------------------------------- module
+
+
+def _attach_module(module: torch.nn.Module) -> list[Any]:
+    pending: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    root_prefix: list[str] = [""]
+
+    def save(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
+        for name, p in mod.named_parameters():
+            lo = state.components(p)[1]
+            if lo is not None:
+                sd[prefix + name + _MODULE_LO] = lo.detach().clone()
+                sd[prefix + name + _MODULE_HI] = _checksum_tensor(p)
+
+    def before_load(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
+        pending.clear()
+        root_prefix[0] = prefix
+        for key in [k for k in sd if k.startswith(prefix) and k.endswith(_MODULE_LO)]:
+            name = key[len(prefix) : -len(_MODULE_LO)]
+            pending[name] = (sd.pop(key), sd.pop(prefix + name + _MODULE_HI, None))
+
+    def after_load(mod: torch.nn.Module, _incompatible: Any) -> None:
+        params = dict(mod.named_parameters())
+        for name, (lo, saved_hi) in pending.items():
+            if name in params:
+                # load_state_dict copied the weights first: they are checked right here
+                _restore(params[name], lo, saved_hi)
+        pending.clear()
+
+    return [
+        module.register_state_dict_post_hook(save),
+        module.register_load_state_dict_pre_hook(before_load),
+        module.register_load_state_dict_post_hook(after_load),
+    ]
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def set_value(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Set low-precision ``t`` to ``value`` (any float dtype) as a pair: ``t`` (hi) becomes
+    ``value`` rounded to nearest, its lo the rounded residual ``value - hi``.
+
+    ``hi + lo`` equals ``value`` within half an ulp of lo: only what the pair cannot hold is
+    lost (a plain ``t.copy_(value)`` loses everything below half an ulp of hi).
+    """
+    if t.dtype not in LOW_PRECISION:
+        raise TypeError(f"collage: set_value needs a bf16/fp16 tensor, got {t.dtype}")
+    with torch.no_grad():
+        src = value.detach().to(t.device)
+        if src.dtype not in (torch.float32, torch.float64):
+            src = src.float()
+        hi = src.to(t.dtype)
+        # src - hi is exact in src's precision (hi is src rounded to fewer bits)
+        lo = (src - hi.to(src.dtype)).to(t.dtype)
+        t.copy_(hi)
+    state.set_lo(t, lo)
+
+
+def convert(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` that loses nothing the pair can hold.
+
+    To bf16/fp16: every floating parameter becomes its value rounded to nearest with the
+    residual as its lo (an fp32 checkpoint converted this way keeps 16 significant bits).
+    To fp32/fp64: every parameter becomes ``hi + lo`` (the value the optimizer tracked).
+    Parameter objects are kept (``p.data`` is replaced), so build the optimizer and compile
+    the step after converting.  Floating buffers are converted as ``module.to`` would.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"collage: convert() needs a floating dtype, got {dtype}")
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if dtype in LOW_PRECISION:
+                if p.dtype in LOW_PRECISION:  # fp16 <-> bf16: through the tracked value
+                    src = state.value(p)
+                else:
+                    src = p.detach()
+                p.data = torch.empty_like(p, dtype=dtype)
+                set_value(p, src)
+            else:
+                p.data = state.value(p).to(dtype) if p.dtype in LOW_PRECISION else p.to(dtype)
+        for mod in module.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    mod._buffers[name] = b.to(dtype)
+    return module
