@@ -337,31 +337,25 @@ class _Stamp(tuple):
 _stamps: dict[int, _Stamp] = {}
 
 
-def _probe_index(t: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    n = t.numel()
-    if n == 0:
-        return None
+def _probe_index(n: int, device: torch.device) -> torch.Tensor:
     # spread over the whole tensor, deterministic, distinct where n allows
     flat = sorted({(i * 2654435761 + 7) % n for i in range(_PROBES)} | {0, n - 1})
-    idx = torch.tensor(flat, dtype=torch.long)
-    if t.dim() <= 1:
-        return (idx.to(t.device),) if t.dim() == 1 else ()
-    return tuple(c.to(t.device) for c in torch.unravel_index(idx, t.shape))
+    return torch.tensor(flat, dtype=torch.long, device=device)
 
 
-_index_cache: dict[tuple, tuple[torch.Tensor, ...] | None] = {}
+_index_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _probe(t: torch.Tensor) -> torch.Tensor | None:
-    key = (tuple(t.shape), t.device)
-    index = _index_cache.get(key)
-    if index is None and key not in _index_cache:
-        index = _index_cache[key] = _probe_index(t)
-    if index is None:
+    n = t.numel()
+    if n == 0:
         return None
-    with torch.no_grad():
-        # bit patterns, so that a NaN compares equal to itself
-        return t.detach()[index].view(_BITS[t.dtype]).clone()
+    key = (n, t.device)
+    index = _index_cache.get(key)
+    if index is None:
+        index = _index_cache[key] = _probe_index(n, t.device)
+    # bit patterns (a NaN equals itself); take() indexes the logical order, any layout
+    return torch.take(t.detach().view(_BITS[t.dtype]), index)
 
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -389,13 +383,13 @@ def stamp(t: torch.Tensor, lo: torch.Tensor, pending: tuple[int, int] | None = N
     key = id(lo)
     old = _stamps.get(key)
     if old is not None and old[0]() is lo:
-        owner_ref = old[1]
+        ref, owner_ref = old[0], old[1]
     else:
         owner = _owner_of(lo)
         owner_ref = weakref.ref(owner) if owner is not None else None
+        ref = weakref.ref(lo, lambda r, key=key: _forget_stamp(key, r))
     owner = owner_ref() if owner_ref is not None else None
     version = owner._version if owner is not None else None
-    ref = weakref.ref(lo, lambda r, key=key: _forget_stamp(key, r))
     _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending)
 
 
