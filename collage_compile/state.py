@@ -19,7 +19,7 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -244,7 +244,7 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     if old is not None and id(old) in _stamps:
         _, owner, _version, probe, pending = _stamps[id(old)]
         # the move gave the tensor a new version counter: re-read it, keep the probe
-        _stamps[id(lo)] = _Stamp(weakref.ref(lo), owner, t._version, _to(probe, lo), pending)
+        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, _to(probe, lo), pending)
     return lo
 
 
@@ -326,11 +326,12 @@ def count() -> int:
 _PROBES = 8
 
 
-class _Stamp(tuple):
-    """(lo weakref, owner weakref or None, owner version, probe, pending checksum)."""
-
-    def __new__(cls, *fields: Any) -> _Stamp:
-        return super().__new__(cls, fields)
+class _Stamp(NamedTuple):
+    lo: weakref.ref  # the lo this describes (ids are reused after it dies)
+    owner: weakref.ref | None  # the tensor registered by identity with it, if any
+    version: int | None  # owner._version after the last compiled call
+    probe: torch.Tensor | None  # sampled bit patterns of hi after it
+    pending: tuple[int, int] | None  # checksum of the hi a restored lo was saved with
 
 
 # id(lo) -> _Stamp
@@ -367,8 +368,13 @@ def _to(probe: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
 
 def _forget_stamp(key: int, ref: weakref.ref) -> None:
     entry = _stamps.get(key)
-    if entry is not None and entry[0] is ref:
+    if entry is not None and entry.lo is ref:
         del _stamps[key]
+
+
+def _lo_ref(lo: torch.Tensor) -> weakref.ref:
+    key = id(lo)
+    return weakref.ref(lo, lambda r: _forget_stamp(key, r))
 
 
 def _owner_of(lo: torch.Tensor) -> torch.Tensor | None:
@@ -382,12 +388,12 @@ def stamp(t: torch.Tensor, lo: torch.Tensor, pending: tuple[int, int] | None = N
     """Record ``t`` (the hi of ``lo``, or an alias of it) as it is now."""
     key = id(lo)
     old = _stamps.get(key)
-    if old is not None and old[0]() is lo:
-        ref, owner_ref = old[0], old[1]
+    if old is not None and old.lo() is lo:
+        ref, owner_ref = old.lo, old.owner
     else:
         owner = _owner_of(lo)
         owner_ref = weakref.ref(owner) if owner is not None else None
-        ref = weakref.ref(lo, lambda r, key=key: _forget_stamp(key, r))
+        ref = _lo_ref(lo)
     owner = owner_ref() if owner_ref is not None else None
     version = owner._version if owner is not None else None
     _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending)
@@ -402,7 +408,7 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
     """Zero ``lo`` if ``t`` (its hi, or an alias) was written since :func:`stamp` by
     anything but a compiled step; True if it was kept."""
     entry = _stamps.get(id(lo))
-    if entry is None or entry[0]() is not lo:
+    if entry is None or entry.lo() is not lo:
         return True
     _, owner_ref, version, probe, pending = entry
     if pending is not None:
@@ -431,8 +437,9 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit sums of ``t``'s bit patterns (plain and position-weighted): equal for
-    equal tensors, different for different ones but by a 2^-64 coincidence."""
+    """Two 64-bit sums of ``t``'s bit patterns, plain and weighted by a hash of the position:
+    equal for equal tensors; equal for different ones only by coincidence (a weight moved
+    from one element to another changes the second)."""
     with torch.no_grad():
         bits = t.detach().reshape(-1).view(_BITS[t.dtype]).to(torch.int64)
         n = bits.numel()
