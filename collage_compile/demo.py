@@ -173,6 +173,7 @@ class Settings:
     eval_every: int
     eval_batches: int
     metrics: bool
+    compile_forward: bool
     seed: int
     device: str
 
@@ -251,16 +252,22 @@ def train_one(
         for split, data in (("train", train), ("val", val))
     }
 
+    # Forward and backward run eagerly by default: at the default size on 2 CPU cores eager and
+    # Inductor-compiled forward + backward both took ~48 ms (measured), and compiling would
+    # add its time to every strategy.  --compile-forward compiles them (the same way for
+    # every strategy; later strategies hit Inductor's cache, as the shapes are the same).
+    fwd = torch.compile(model) if s.compile_forward else model
+
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
-        model.eval()
+        # no dropout or batch statistics: train mode is eval mode (and flipping it would
+        # recompile the forward)
         out = {}
         for split, data in (("train", train), ("val", val)):
             losses = [
-                model(*get_batch(data, st, s.block_size, dev)).item() for st in eval_starts[split]
+                fwd(*get_batch(data, st, s.block_size, dev)).item() for st in eval_starts[split]
             ]
             out[split] = statistics.fmean(losses)
-        model.train()
         return out
 
     curve: dict[str, list[float]] = {"step": [], "train": [], "val": []}
@@ -278,11 +285,18 @@ def train_one(
     record_eval(0)
     t_start = time.perf_counter()
     bar = progress(range(s.steps), desc=f"{strategy:>13}", unit="step", leave=True)
+    sample_every = max(1, s.eval_every // 4)
     for i in bar:
         x, y = get_batch(train, starts[i], s.block_size, dev)
+        sampled = s.metrics and (i + 1) % sample_every == 0
+        if sampled and strategy == "fp32-master":
+            # the backend measures the bf16 strategies inside their step; the baseline is
+            # measured here, outside the timed region: its intended update is the fp32
+            # masters' change, and hi is the bf16 copy the forward pass uses
+            before = [t.detach().clone() for t in master_p + model_p]
         _sync(dev)
         t0 = time.perf_counter()
-        loss = model(x, y)
+        loss = fwd(x, y)
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         loss.backward()
@@ -294,8 +308,11 @@ def train_one(
         step_ms.append(1e3 * (t2 - t0))
         opt_ms.append(1e3 * (t2 - t1))
         step_loss.append(loss.item())
-        if s.metrics and strategy != "fp32-master" and (i + 1) % max(1, s.eval_every // 4) == 0:
-            m = collage_compile.last_metrics()
+        if sampled:
+            if strategy == "fp32-master":
+                m = _copy_metrics(before, master_p, model_p)
+            else:
+                m = collage_compile.last_metrics()
             if m:
                 edq_curve["step"].append(i + 1)
                 for k in ("edq", "edq_hi", "imprecision"):
@@ -312,6 +329,7 @@ def train_one(
     out: dict[str, Any] = {
         "strategy": strategy,
         "mode": MODES.get(strategy),
+        # the backend measured EDQ inside the compiled step (which costs step time)
         "metrics_in_step": bool(s.metrics and strategy != "fp32-master"),
         "final_train_loss": curve["train"][-1],
         "final_val_loss": curve["val"][-1],
@@ -328,9 +346,33 @@ def train_one(
     }
     out["bytes_per_param"] = out["persistent_bytes"] / n_params
     for k in ("edq", "edq_hi", "imprecision"):
-        vals = edq_curve[k]
+        vals = [v for v in edq_curve[k] if not math.isnan(v)]
         out[k] = statistics.fmean(vals) if vals else None
     return out
+
+
+@torch.no_grad()
+def _copy_metrics(
+    before: list[torch.Tensor], masters: list[torch.Tensor], model: list[torch.Tensor]
+) -> dict[str, float]:
+    """EDQ of the bf16 copy against the masters' update, and the share of stuck elements (as
+    collage_compile.metrics defines them); float64 sums over all tensors as one vector."""
+    n = len(masters)
+    dot = norm = stuck = moving = 0.0
+    for m0, m1, h0, h1 in zip(before[:n], masters, before[n:], model):
+        d = (m1 - m0).double()
+        dh = (h1 - h0).double()
+        dot += float((dh * d).sum())
+        norm += float((d * d).sum())
+        nonzero = d != 0
+        moving += float(nonzero.sum())
+        stuck += float((nonzero & (dh == 0)).sum())
+    nan = math.nan
+    return {
+        "edq": nan,  # the masters' change is the intended update itself: nothing to measure
+        "edq_hi": dot / norm if norm > 0 else nan,
+        "imprecision": stuck / moving if moving > 0 else 0.0,
+    }
 
 
 def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -394,7 +436,9 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> bool:
         steps = range(1, len(r["step_loss"]) + 1)
         ax_train.plot(steps, _smooth(r["step_loss"]), color=color, label=name, linewidth=1)
         e = r["edq_curve"]
-        if e["step"]:
+        if e["step"] and name == "fp32-master":
+            ax_edq.plot(e["step"], e["edq_hi"], ":", color=color, label=f"{name} bf16 copy")
+        elif e["step"]:
             plain = r["mode"] == "off"
             ax_edq.plot(e["step"], e["edq"], color=color, label=name if plain else f"{name} hi+lo")
             if not plain:
@@ -482,6 +526,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="compile the bf16 strategies without metrics=True (no EDQ; faster steps)",
     )
+    ap.add_argument(
+        "--compile-forward",
+        action="store_true",
+        help="compile forward and backward with Inductor (default: eager)",
+    )
     args = ap.parse_args(argv)
     bad = set(args.strategies.split(",")) - set(STRATEGIES)
     if bad:
@@ -518,6 +567,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         metrics=not args.no_metrics,
+        compile_forward=args.compile_forward,
         seed=args.seed,
         device=args.device,
     )
@@ -556,14 +606,23 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     notes = []
     if any(r["metrics_in_step"] for r in results):
         notes.append(
-            "* step compiled with metrics=True (EDQ measured inside the step); on CPU that "
-            "costs extra optimizer time (README: ~1.9x in light mode): --no-metrics to time "
-            "without it."
+            "* compiled with metrics=True (EDQ measured inside the optimizer step), which "
+            "costs optimizer time on CPU (README: 1.9x in light mode); --no-metrics times "
+            "the steps without it. ms/step: median train step (forward, backward, optimizer) "
+            "after the first 3."
+        )
+    if s.metrics:
+        notes.append(
+            f"EDQ: share of each update the optimizer's value received (hi + lo; plain bf16: "
+            f"its weights); EDQ hi: the same for the bf16 weights the forward pass uses; "
+            f"imprecision: share of weights whose bf16 value did not move although their "
+            f"update was non-zero. Means over one step in {max(1, s.eval_every // 4)}; "
+            f"fp32-master's are measured on its bf16 copy against the masters' change."
         )
     notes.append(
-        "EDQ, EDQ hi, imprecision: means over the sampled steps (fp32-master: not measured). "
-        "bytes/param: persistent tensors (bf16 params, fp32 masters, AdamW m and v, lo) "
-        "measured from the tensors. peak memory: CUDA only."
+        "bytes/param: persistent tensors (bf16 params, fp32 masters, AdamW m and v and step, "
+        "lo), counted from the tensors. peak memory: CUDA only "
+        "(torch.cuda.max_memory_allocated)."
     )
     print("\n" + text + "\n" + "\n".join(notes), flush=True)
 
