@@ -15,9 +15,12 @@ the hi it belongs to: a lo restored before its weights are loaded (``opt.load_st
 then ``model.load_state_dict``) is checked against the weights on the next compiled step,
 and dropped (zeroed, debug log) if they are not the ones it was saved with.
 
-Keys: optimizer state entries gain ``"collage_lo"`` (the param's), ``"collage_lo.<name>"``
-(its state tensor ``<name>``'s) and ``"collage_hi"`` (int64 checksum of the param); module
-state dicts gain ``"<param>._collage_lo"`` / ``"<param>._collage_hi"``.
+Keys: each low-precision parameter's optimizer state entry gains ``"collage_lo"``,
+``"collage_lo.<name>"`` for each low-precision state tensor ``<name>`` and ``"collage_hi"``
+(int64 checksum of the param); module state dicts gain ``"<param>._collage_lo"`` /
+``"<param>._collage_hi"``.  A tensor without a lo is saved with a zero one, so the keys depend
+only on dtypes and a fresh object's state dict is a complete template for
+``torch.distributed.checkpoint`` loads.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             )
 
 
+def _lo_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    # Every low-precision tensor gets an entry, a zero lo where it has none yet: the set of
+    # keys then depends only on dtypes, so a state dict built as a loading template (DCP's
+    # get_state_dict in a fresh process, before any lo exists) asks for every lo a
+    # checkpoint holds.
+    lo = state.components(t)[1]
+    return lo.detach().clone() if lo is not None else torch.zeros_like(t.detach())
+
+
 def _checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(state.checksum(t), dtype=torch.int64)
 
@@ -70,6 +82,8 @@ def _restore(t: torch.Tensor, lo: torch.Tensor, saved_hi: torch.Tensor | None) -
     the hi ``lo`` was saved with."""
     if t.dtype not in LOW_PRECISION:
         return  # the run that saved it used low precision; this one does not: nothing to add
+    if state.components(t)[1] is None and not lo.any():
+        return  # a zero lo is no lo: allocate none (light mode's optimizer state)
     state.set_lo(t, lo.to(device=t.device, dtype=t.dtype))
     if saved_hi is None:
         return
@@ -91,27 +105,29 @@ def _params_by_index(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor
 
 
 def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
-    pending: dict[int, dict[str, Any]] = {}
+    pending: dict[Any, dict[str, Any]] = {}
+    keys: dict[Any, torch.Tensor] = {}
 
     def save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         packed = dict(sd["state"])  # its entries are the live state dicts: copy, never mutate
         for i, p in _params_by_index(opt).items():
-            extra: dict[str, Any] = {}
-            lo = state.components(p)[1]
-            if lo is not None:
-                extra[LO] = lo.detach().clone()
+            if p.dtype not in LOW_PRECISION:
+                continue
+            extra = {LO: _lo_or_zeros(p), HI: _checksum_tensor(p)}
             for name, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    vlo = state.components(v)[1]
-                    if vlo is not None:
-                        extra[f"{LO}.{name}"] = vlo.detach().clone()
-            if extra:
-                extra[HI] = _checksum_tensor(p)
-                packed[i] = {**packed.get(i, {}), **extra}
+                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
+                    extra[f"{LO}.{name}"] = _lo_or_zeros(v)
+            packed[i] = {**packed.get(i, {}), **extra}
         return {**sd, "state": packed}
 
     def before_load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         pending.clear()
+        # state keys are whatever the saved groups list (indices from state_dict(), names
+        # from DCP's set_state_dict): map them to parameters as Optimizer.load_state_dict does
+        saved = [k for g in sd["param_groups"] for k in g["params"]]
+        live = [p for g in opt.param_groups for p in g["params"]]
+        keys.clear()
+        keys.update(zip(saved, live))
         packed = {}
         for i, entry in sd["state"].items():
             ours = {k: v for k, v in entry.items() if k == HI or k == LO or k.startswith(LO + ".")}
@@ -123,9 +139,8 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
         return {**sd, "state": packed}
 
     def after_load(opt: torch.optim.Optimizer) -> None:
-        params = _params_by_index(opt)
         for i, ours in pending.items():
-            p = params[int(i)]
+            p = keys[i]
             saved_hi = ours.get(HI)
             if LO in ours:
                 _restore(p, ours[LO], saved_hi)
@@ -136,6 +151,7 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
                         # state tensors were just loaded with their hi: nothing to wait for
                         _restore(v, lo, None)
         pending.clear()
+        keys.clear()
 
     return [
         optimizer.register_state_dict_post_hook(save),
@@ -153,9 +169,8 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
 
     def save(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
         for name, p in mod.named_parameters():
-            lo = state.components(p)[1]
-            if lo is not None:
-                sd[prefix + name + _MODULE_LO] = lo.detach().clone()
+            if p.dtype in LOW_PRECISION:
+                sd[prefix + name + _MODULE_LO] = _lo_or_zeros(p)
                 sd[prefix + name + _MODULE_HI] = _checksum_tensor(p)
 
     def before_load(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
