@@ -17,10 +17,11 @@ Rounding that survives the compiler
 -----------------------------------
 Inductor computes fused bf16 chains in fp32 registers and drops ``to(bf16)``/``to(float32)``
 round trips inside a kernel (FIELD_NOTES section 1), so ``x.to(bf16).float()`` is *not* a
-rounding once compiled.  :func:`round_to` rounds with fp32 arithmetic alone (a Veltkamp
-split), which no compiler pass may remove without licence to reassociate floating point
-(Inductor's C++ flags keep ``-fno-unsafe-math-optimizations`` and ``-ffp-contract=off``;
-Triton does not reassociate).  Every product inside it and inside :func:`two_prod` is exact,
+rounding once compiled.  :func:`round_to` rounds to bf16 with integer arithmetic on the fp32
+bit pattern (round to nearest even in five integer operations), and to fp16 with fp32
+arithmetic alone (a Veltkamp split), which no compiler pass may remove without licence to
+reassociate floating point (Inductor's C++ flags keep ``-fno-unsafe-math-optimizations``
+and ``-ffp-contract=off``; Triton does not reassociate).  Every product inside it and inside :func:`two_prod` is exact,
 so FMA contraction (Triton's default) cannot change a result either.
 
 Compiling these functions yourself: pass ``options=collage_compile.inductor_options()`` to
@@ -81,8 +82,41 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
     """Round fp32 ``x`` to the nearest ``dtype`` value (ties to even); the result stays fp32.
 
     Equal, bit for bit, to ``x.to(dtype).float()`` in eager mode (subnormals, overflow to
-    inf and NaN included), but made of fp32 arithmetic that Inductor keeps.
+    inf and NaN included), but made of arithmetic that Inductor keeps.
     """
+    if dtype == torch.bfloat16:
+        r = _round_bf16_bits(x)
+        # a NaN whose payload sits only in the 16 dropped bits would carry into inf
+        return torch.where(x != x, x, r)
+    return _round_veltkamp(x, dtype)
+
+
+def _round_bf16_bits(x: Any) -> Any:
+    """fp32 ``x`` rounded to bf16, on its bit pattern; exact for every input except NaN.
+
+    bf16 is fp32 without its low 16 bits.  Adding 0x7FFF plus the lowest kept bit carries
+    into the kept bits exactly when the dropped half is above half-way, or exactly half-way
+    with an odd kept part (ties to even), and masking the dropped half off truncates.  The
+    encoding is monotone in magnitude and the sign bit is untouched, so one rule covers
+    subnormals, the overflow to inf (the carry runs into the exponent) and inf itself.
+    Five integer operations where the Veltkamp split needs about fifteen (with its huge,
+    subnormal and non-finite branches), and no compiler pass rewrites integer arithmetic on
+    a bitcast: Inductor lowers both bitcasts inside the fused kernel (C++: through a
+    16-lane buffer that gcc folds into register moves; Triton: ``tl.bitcast``).  A NaN may
+    come back as inf: callers that can see a NaN select it back (:func:`round_to`); callers
+    that have already excluded NaN skip that (:func:`dw_to_pair`).
+    """
+    bits = x.view(torch.int32)
+    # NaN is the only input whose sum overflows int32 (>= 0x7F800001 + 0x8000), and its
+    # lanes are replaced by the caller; every other magnitude stays below 0x7F808000.
+    bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & -65536
+    return bits.view(torch.float32)
+
+
+def _round_veltkamp(x: Any, dtype: torch.dtype) -> Any:
+    """:func:`round_to` with fp32 arithmetic alone (used for float16; bfloat16 is handled
+    here too, for reference), which no compiler pass may change without licence to
+    reassociate floating point."""
     p, emin = _format(dtype)
     ax = x.abs()
     if dtype == torch.bfloat16:
@@ -109,6 +143,13 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
     # inf and nan pass through (the split would turn inf into nan); |x| < inf is
     # isfinite in one comparison (false for nan)
     return torch.where(ax < _INF, r, x)
+
+
+def _round_finite(x: Any, dtype: torch.dtype) -> Any:
+    """:func:`round_to` for an ``x`` that is finite or +-inf (never NaN)."""
+    if dtype == torch.bfloat16:
+        return _round_bf16_bits(x)
+    return _round_veltkamp(x, dtype)
 
 
 def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
@@ -189,9 +230,25 @@ def dw_add(s: Any, e: Any, u: Any) -> tuple[Any, Any]:
     return s2, e + t
 
 
-def dw_mul(s: Any, e: Any, c_hi: Any, c_lo: Any = 0.0) -> tuple[Any, Any]:
-    """(s, e) * (c_hi + c_lo): exact leading product, first-order terms into e."""
-    p, t = two_prod(s, c_hi)
+def dw_mul(s: Any, e: Any, c_hi: Any, c_lo: Any = 0.0, *, short: bool = False) -> tuple[Any, Any]:
+    """(s, e) * (c_hi + c_lo): exact leading product, first-order terms into e.
+
+    ``short``: ``s`` has at most 12 significant bits (a storage value just loaded, as in a
+    chain's first step: bf16 has 8, fp16 11) and ``c_hi`` is a Python float (a tensor
+    factor takes the general path).  Then ``s`` is its own Veltkamp head with a
+    zero tail, and Dekker's product needs only ``c_hi``'s split: ``s * ch`` and ``s * cl``
+    are exact, and ``(s * ch - p) + s * cl`` is the exact error of ``p = fl(s * c_hi)``
+    (five operations instead of :func:`two_prod`'s seventeen).  No overflow guard is needed:
+    ``|s * ch| <= |p| (1 + 2^-12)``, which stays finite for every ``p`` that does not round
+    to inf in the storage dtype anyway.
+    """
+    if short and isinstance(c_hi, float) and abs(c_hi) < 2.0**100:
+        # c_hi's split is done on the host (a huge constant's split would overflow)
+        p = s * c_hi
+        ch, cl = split(c_hi)
+        t = (s * ch - p) + s * cl
+    else:
+        p, t = two_prod(s, c_hi)
     return p, t + (s * c_lo + e * c_hi)
 
 
@@ -208,11 +265,15 @@ def dw_to_pair(s: Any, e: Any, dtype: torch.dtype) -> tuple[Any, Any]:
 
     Inf/NaN behave as plain arithmetic would: hi takes the naive fp32 result and lo is 0.
     """
-    t = torch.where(s.abs() < _INF, s + e, s)
-    hi = round_to(t, dtype)
+    # Where s is finite, e is too (every error term is finite for finite operands, and
+    # two_prod zeroes its own on overflow), so s + e is finite or +-inf and never NaN:
+    # the rounding needs no NaN check.  Where s is not (an inf/nan update, an overflow),
+    # e may be NaN (inf - inf): hi takes s itself.
+    hi = torch.where(s.abs() < _INF, _round_finite(s + e, dtype), s)
     # s - hi is exact (hi is within half a storage ulp of s + e, far below s's own ulp
-    # range), so the remainder loses only the final rounding to dtype.
-    lo = torch.where(hi.abs() < _INF, round_to((s - hi) + e, dtype), 0.0)
+    # range), so the remainder loses only the final rounding to dtype.  Where hi is finite
+    # the remainder is finite; where it is not, lo is 0.
+    lo = torch.where(hi.abs() < _INF, _round_finite((s - hi) + e, dtype), 0.0)
     return hi.to(dtype), lo.to(dtype)
 
 
@@ -289,7 +350,7 @@ def mul(hi: Any, lo: Any, c: float, arithmetic: str = "fp32") -> tuple[Any, Any]
     dtype = hi.dtype
     if arithmetic == "fp32":
         c_hi, c_lo = split_constant(c, torch.float32)
-        s, e = dw_mul(*dw_from_pair(hi, lo), c_hi, c_lo)
+        s, e = dw_mul(*dw_from_pair(hi, lo), c_hi, c_lo, short=True)
         return dw_to_pair(s, e, dtype)
     if arithmetic == "storage":
         c_hi, c_lo = split_constant(c, dtype)

@@ -57,12 +57,13 @@ def mcf_chain(
     dtype = dtype or hi.dtype
     if arithmetic == "fp32":
         s, e = mcf.dw_from_pair(hi, lo)
-        for kind, args, fn in steps:
+        for i, (kind, args, fn) in enumerate(steps):
             if kind == "add":
                 s, e = mcf.dw_add(s, e, fn(*args))
             elif kind == "mul":
                 c_hi, c_lo = _factor_fp32(hi, args, fn)
-                s, e = mcf.dw_mul(s, e, c_hi, c_lo)
+                # before any other step s is the stored hi: a short significand
+                s, e = mcf.dw_mul(s, e, c_hi, c_lo, short=i == 0)
             elif kind == "div":
                 s, e = mcf.dw_div(s, e, f32(args[0]))
             elif kind == "lerp":

@@ -63,48 +63,28 @@ class GraphModule(torch.nn.Module):
         abs_1 = add.abs()
         lt = abs_1 < inf;  abs_1 = None
         add_3 = add + add_2
-        where = torch.where(lt, add_3, add);  lt = add_3 = None
+        view = add_3.view(torch.int32);  add_3 = None
+        rshift = view >> 16
+        and_ = rshift & 1;  rshift = None
+        add_4 = view + and_;  view = and_ = None
+        add_5 = add_4 + 32767;  add_4 = None
+        and__1 = add_5 & -65536;  add_5 = None
+        view_1 = and__1.view(torch.float32);  and__1 = None
+        where = torch.where(lt, view_1, add);  lt = view_1 = None
         abs_2 = where.abs()
-        ge = abs_2 >= 1.2676506002282294e+30
-        mul_1 = where * 5.421010862427522e-20
-        where_1 = torch.where(ge, mul_1, where);  mul_1 = None
-        mul_2 = where_1 * 65536.0
-        add_4 = mul_2 + where_1;  mul_2 = None
-        sub_4 = add_4 - where_1;  where_1 = None
-        sub_5 = add_4 - sub_4;  add_4 = sub_4 = None
-        mul_3 = sub_5 * 1.8446744073709552e+19
-        where_2 = torch.where(ge, mul_3, sub_5);  ge = mul_3 = sub_5 = None
-        lt_1 = abs_2 < 1.1754943508222875e-38
-        add_5 = abs_2 + 1.1555579666323415e-33
-        sub_6 = add_5 - 1.1555579666323415e-33;  add_5 = None
-        copysign = torch.copysign(sub_6, where);  sub_6 = None
-        where_3 = torch.where(lt_1, copysign, where_2);  lt_1 = copysign = where_2 = None
-        lt_2 = abs_2 < inf;  abs_2 = None
-        where_4 = torch.where(lt_2, where_3, where);  lt_2 = where_3 = where = None
-        abs_3 = where_4.abs()
-        lt_3 = abs_3 < inf;  abs_3 = None
-        sub_7 = add - where_4;  add = None
-        add_6 = sub_7 + add_2;  sub_7 = add_2 = None
-        abs_4 = add_6.abs()
-        ge_1 = abs_4 >= 1.2676506002282294e+30
-        mul_4 = add_6 * 5.421010862427522e-20
-        where_5 = torch.where(ge_1, mul_4, add_6);  mul_4 = None
-        mul_5 = where_5 * 65536.0
-        add_7 = mul_5 + where_5;  mul_5 = None
-        sub_8 = add_7 - where_5;  where_5 = None
-        sub_9 = add_7 - sub_8;  add_7 = sub_8 = None
-        mul_6 = sub_9 * 1.8446744073709552e+19
-        where_6 = torch.where(ge_1, mul_6, sub_9);  ge_1 = mul_6 = sub_9 = None
-        lt_4 = abs_4 < 1.1754943508222875e-38
-        add_8 = abs_4 + 1.1555579666323415e-33
-        sub_10 = add_8 - 1.1555579666323415e-33;  add_8 = None
-        copysign_1 = torch.copysign(sub_10, add_6);  sub_10 = None
-        where_7 = torch.where(lt_4, copysign_1, where_6);  lt_4 = copysign_1 = where_6 = None
-        lt_5 = abs_4 < inf;  abs_4 = None
-        where_8 = torch.where(lt_5, where_7, add_6);  lt_5 = where_7 = add_6 = None
-        where_9 = torch.where(lt_3, where_8, 0.0);  lt_3 = where_8 = None
-        to = where_4.to(torch.bfloat16);  where_4 = None
-        to_1 = where_9.to(torch.bfloat16);  where_9 = None
+        lt_1 = abs_2 < inf;  abs_2 = None
+        sub_4 = add - where;  add = None
+        add_6 = sub_4 + add_2;  sub_4 = add_2 = None
+        view_2 = add_6.view(torch.int32);  add_6 = None
+        rshift_1 = view_2 >> 16
+        and__2 = rshift_1 & 1;  rshift_1 = None
+        add_7 = view_2 + and__2;  view_2 = and__2 = None
+        add_8 = add_7 + 32767;  add_7 = None
+        and__3 = add_8 & -65536;  add_8 = None
+        view_3 = and__3.view(torch.float32);  and__3 = None
+        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
+        to = where.to(torch.bfloat16);  where = None
+        to_1 = where_1.to(torch.bfloat16);  where_1 = None
         copy_ = x.copy_(to);  x = to = copy_ = None
         copy__1 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__1 = None
         return ()""",
@@ -132,48 +112,28 @@ class GraphModule(torch.nn.Module):
         abs_1 = add.abs()
         lt = abs_1 < inf;  abs_1 = None
         add_3 = add + add_2
-        where = torch.where(lt, add_3, add);  lt = add_3 = None
+        view = add_3.view(torch.int32);  add_3 = None
+        rshift = view >> 16
+        and_ = rshift & 1;  rshift = None
+        add_4 = view + and_;  view = and_ = None
+        add_5 = add_4 + 32767;  add_4 = None
+        and__1 = add_5 & -65536;  add_5 = None
+        view_1 = and__1.view(torch.float32);  and__1 = None
+        where = torch.where(lt, view_1, add);  lt = view_1 = None
         abs_2 = where.abs()
-        ge = abs_2 >= 1.2676506002282294e+30
-        mul_1 = where * 5.421010862427522e-20
-        where_1 = torch.where(ge, mul_1, where);  mul_1 = None
-        mul_2 = where_1 * 65536.0
-        add_4 = mul_2 + where_1;  mul_2 = None
-        sub_4 = add_4 - where_1;  where_1 = None
-        sub_5 = add_4 - sub_4;  add_4 = sub_4 = None
-        mul_3 = sub_5 * 1.8446744073709552e+19
-        where_2 = torch.where(ge, mul_3, sub_5);  ge = mul_3 = sub_5 = None
-        lt_1 = abs_2 < 1.1754943508222875e-38
-        add_5 = abs_2 + 1.1555579666323415e-33
-        sub_6 = add_5 - 1.1555579666323415e-33;  add_5 = None
-        copysign = torch.copysign(sub_6, where);  sub_6 = None
-        where_3 = torch.where(lt_1, copysign, where_2);  lt_1 = copysign = where_2 = None
-        lt_2 = abs_2 < inf;  abs_2 = None
-        where_4 = torch.where(lt_2, where_3, where);  lt_2 = where_3 = where = None
-        abs_3 = where_4.abs()
-        lt_3 = abs_3 < inf;  abs_3 = None
-        sub_7 = add - where_4;  add = None
-        add_6 = sub_7 + add_2;  sub_7 = add_2 = None
-        abs_4 = add_6.abs()
-        ge_1 = abs_4 >= 1.2676506002282294e+30
-        mul_4 = add_6 * 5.421010862427522e-20
-        where_5 = torch.where(ge_1, mul_4, add_6);  mul_4 = None
-        mul_5 = where_5 * 65536.0
-        add_7 = mul_5 + where_5;  mul_5 = None
-        sub_8 = add_7 - where_5;  where_5 = None
-        sub_9 = add_7 - sub_8;  add_7 = sub_8 = None
-        mul_6 = sub_9 * 1.8446744073709552e+19
-        where_6 = torch.where(ge_1, mul_6, sub_9);  ge_1 = mul_6 = sub_9 = None
-        lt_4 = abs_4 < 1.1754943508222875e-38
-        add_8 = abs_4 + 1.1555579666323415e-33
-        sub_10 = add_8 - 1.1555579666323415e-33;  add_8 = None
-        copysign_1 = torch.copysign(sub_10, add_6);  sub_10 = None
-        where_7 = torch.where(lt_4, copysign_1, where_6);  lt_4 = copysign_1 = where_6 = None
-        lt_5 = abs_4 < inf;  abs_4 = None
-        where_8 = torch.where(lt_5, where_7, add_6);  lt_5 = where_7 = add_6 = None
-        where_9 = torch.where(lt_3, where_8, 0.0);  lt_3 = where_8 = None
-        to = where_4.to(torch.bfloat16);  where_4 = None
-        to_1 = where_9.to(torch.bfloat16);  where_9 = None
+        lt_1 = abs_2 < inf;  abs_2 = None
+        sub_4 = add - where;  add = None
+        add_6 = sub_4 + add_2;  sub_4 = add_2 = None
+        view_2 = add_6.view(torch.int32);  add_6 = None
+        rshift_1 = view_2 >> 16
+        and__2 = rshift_1 & 1;  rshift_1 = None
+        add_7 = view_2 + and__2;  view_2 = and__2 = None
+        add_8 = add_7 + 32767;  add_7 = None
+        and__3 = add_8 & -65536;  add_8 = None
+        view_3 = and__3.view(torch.float32);  and__3 = None
+        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
+        to = where.to(torch.bfloat16);  where = None
+        to_1 = where_1.to(torch.bfloat16);  where_1 = None
         copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
         copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
         return ()""",
@@ -213,81 +173,49 @@ class GraphModule(torch.nn.Module):
         float_1 = x.float()
         float_2 = collage_lo_x.float()
         mul_2 = float_1 * 0.9999899864196777
-        mul_3 = float_1 * 4096.0
-        add = mul_3 + float_1;  mul_3 = None
-        sub = add - float_1
-        sub_1 = add - sub;  add = sub = None
-        sub_2 = float_1 - sub_1
-        mul_4 = sub_1 * 1.0
-        sub_3 = mul_4 - mul_2;  mul_4 = None
-        mul_5 = sub_1 * -1.0013580322265625e-05;  sub_1 = None
-        add_1 = sub_3 + mul_5;  sub_3 = mul_5 = None
-        mul_6 = sub_2 * 1.0
-        add_2 = add_1 + mul_6;  add_1 = mul_6 = None
-        mul_7 = sub_2 * -1.0013580322265625e-05;  sub_2 = None
-        add_3 = add_2 + mul_7;  add_2 = mul_7 = None
-        abs_1 = add_3.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
-        mul_8 = float_1 * 1.358032264420217e-08;  float_1 = None
-        mul_9 = float_2 * 0.9999899864196777;  float_2 = None
-        add_4 = mul_8 + mul_9;  mul_8 = mul_9 = None
-        add_5 = where + add_4;  where = add_4 = None
+        mul_3 = float_1 * 1.0
+        sub = mul_3 - mul_2;  mul_3 = None
+        mul_4 = float_1 * -1.0013580322265625e-05
+        add = sub + mul_4;  sub = mul_4 = None
+        mul_5 = float_1 * 1.358032264420217e-08;  float_1 = None
+        mul_6 = float_2 * 0.9999899864196777;  float_2 = None
+        add_1 = mul_5 + mul_6;  mul_5 = mul_6 = None
+        add_2 = add + add_1;  add = add_1 = None
         float_3 = exp_avg.float();  exp_avg = None
         float_4 = denom.float();  denom = None
         truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_6 = mul_2 + truediv
-        sub_4 = add_6 - mul_2
-        sub_5 = add_6 - sub_4
-        sub_6 = mul_2 - sub_5;  mul_2 = sub_5 = None
-        sub_7 = truediv - sub_4;  truediv = sub_4 = None
-        add_7 = sub_6 + sub_7;  sub_6 = sub_7 = None
-        add_8 = add_5 + add_7;  add_5 = add_7 = None
-        abs_2 = add_6.abs()
+        add_3 = mul_2 + truediv
+        sub_1 = add_3 - mul_2
+        sub_2 = add_3 - sub_1
+        sub_3 = mul_2 - sub_2;  mul_2 = sub_2 = None
+        sub_4 = truediv - sub_1;  truediv = sub_1 = None
+        add_4 = sub_3 + sub_4;  sub_3 = sub_4 = None
+        add_5 = add_2 + add_4;  add_2 = add_4 = None
+        abs_1 = add_3.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        add_6 = add_3 + add_5
+        view = add_6.view(torch.int32);  add_6 = None
+        rshift = view >> 16
+        and_ = rshift & 1;  rshift = None
+        add_7 = view + and_;  view = and_ = None
+        add_8 = add_7 + 32767;  add_7 = None
+        and__1 = add_8 & -65536;  add_8 = None
+        view_1 = and__1.view(torch.float32);  and__1 = None
+        where = torch.where(lt, view_1, add_3);  lt = view_1 = None
+        abs_2 = where.abs()
         lt_1 = abs_2 < inf;  abs_2 = None
-        add_9 = add_6 + add_8
-        where_1 = torch.where(lt_1, add_9, add_6);  lt_1 = add_9 = None
-        abs_3 = where_1.abs()
-        ge = abs_3 >= 1.2676506002282294e+30
-        mul_10 = where_1 * 5.421010862427522e-20
-        where_2 = torch.where(ge, mul_10, where_1);  mul_10 = None
-        mul_11 = where_2 * 65536.0
-        add_10 = mul_11 + where_2;  mul_11 = None
-        sub_8 = add_10 - where_2;  where_2 = None
-        sub_9 = add_10 - sub_8;  add_10 = sub_8 = None
-        mul_12 = sub_9 * 1.8446744073709552e+19
-        where_3 = torch.where(ge, mul_12, sub_9);  ge = mul_12 = sub_9 = None
-        lt_2 = abs_3 < 1.1754943508222875e-38
-        add_11 = abs_3 + 1.1555579666323415e-33
-        sub_10 = add_11 - 1.1555579666323415e-33;  add_11 = None
-        copysign = torch.copysign(sub_10, where_1);  sub_10 = None
-        where_4 = torch.where(lt_2, copysign, where_3);  lt_2 = copysign = where_3 = None
-        lt_3 = abs_3 < inf;  abs_3 = None
-        where_5 = torch.where(lt_3, where_4, where_1);  lt_3 = where_4 = where_1 = None
-        abs_4 = where_5.abs()
-        lt_4 = abs_4 < inf;  abs_4 = None
-        sub_11 = add_6 - where_5;  add_6 = None
-        add_12 = sub_11 + add_8;  sub_11 = add_8 = None
-        abs_5 = add_12.abs()
-        ge_1 = abs_5 >= 1.2676506002282294e+30
-        mul_13 = add_12 * 5.421010862427522e-20
-        where_6 = torch.where(ge_1, mul_13, add_12);  mul_13 = None
-        mul_14 = where_6 * 65536.0
-        add_13 = mul_14 + where_6;  mul_14 = None
-        sub_12 = add_13 - where_6;  where_6 = None
-        sub_13 = add_13 - sub_12;  add_13 = sub_12 = None
-        mul_15 = sub_13 * 1.8446744073709552e+19
-        where_7 = torch.where(ge_1, mul_15, sub_13);  ge_1 = mul_15 = sub_13 = None
-        lt_5 = abs_5 < 1.1754943508222875e-38
-        add_14 = abs_5 + 1.1555579666323415e-33
-        sub_14 = add_14 - 1.1555579666323415e-33;  add_14 = None
-        copysign_1 = torch.copysign(sub_14, add_12);  sub_14 = None
-        where_8 = torch.where(lt_5, copysign_1, where_7);  lt_5 = copysign_1 = where_7 = None
-        lt_6 = abs_5 < inf;  abs_5 = None
-        where_9 = torch.where(lt_6, where_8, add_12);  lt_6 = where_8 = add_12 = None
-        where_10 = torch.where(lt_4, where_9, 0.0);  lt_4 = where_9 = None
-        to = where_5.to(torch.bfloat16);  where_5 = None
-        to_1 = where_10.to(torch.bfloat16);  where_10 = None
+        sub_5 = add_3 - where;  add_3 = None
+        add_9 = sub_5 + add_5;  sub_5 = add_5 = None
+        view_2 = add_9.view(torch.int32);  add_9 = None
+        rshift_1 = view_2 >> 16
+        and__2 = rshift_1 & 1;  rshift_1 = None
+        add_10 = view_2 + and__2;  view_2 = and__2 = None
+        add_11 = add_10 + 32767;  add_10 = None
+        and__3 = add_11 & -65536;  add_11 = None
+        view_3 = and__3.view(torch.float32);  and__3 = None
+        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
+        to = where.to(torch.bfloat16);  where = None
+        to_1 = where_1.to(torch.bfloat16);  where_1 = None
         copy__1 = x.copy_(to);  x = to = copy__1 = None
         copy__2 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__2 = None
         return ()""",
@@ -331,81 +259,49 @@ class GraphModule(torch.nn.Module):
         float_1 = self___param_groups_0__params___0.float()
         float_2 = collage_lo_self___param_groups_0__params___0.float()
         mul = float_1 * 0.9999899864196777
-        mul_1 = float_1 * 4096.0
-        add = mul_1 + float_1;  mul_1 = None
-        sub = add - float_1
-        sub_1 = add - sub;  add = sub = None
-        sub_2 = float_1 - sub_1
-        mul_2 = sub_1 * 1.0
-        sub_3 = mul_2 - mul;  mul_2 = None
-        mul_3 = sub_1 * -1.0013580322265625e-05;  sub_1 = None
-        add_1 = sub_3 + mul_3;  sub_3 = mul_3 = None
-        mul_4 = sub_2 * 1.0
-        add_2 = add_1 + mul_4;  add_1 = mul_4 = None
-        mul_5 = sub_2 * -1.0013580322265625e-05;  sub_2 = None
-        add_3 = add_2 + mul_5;  add_2 = mul_5 = None
-        abs_1 = add_3.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
-        mul_6 = float_1 * 1.358032264420217e-08;  float_1 = None
-        mul_7 = float_2 * 0.9999899864196777;  float_2 = None
-        add_4 = mul_6 + mul_7;  mul_6 = mul_7 = None
-        add_5 = where + add_4;  where = add_4 = None
+        mul_1 = float_1 * 1.0
+        sub = mul_1 - mul;  mul_1 = None
+        mul_2 = float_1 * -1.0013580322265625e-05
+        add = sub + mul_2;  sub = mul_2 = None
+        mul_3 = float_1 * 1.358032264420217e-08;  float_1 = None
+        mul_4 = float_2 * 0.9999899864196777;  float_2 = None
+        add_1 = mul_3 + mul_4;  mul_3 = mul_4 = None
+        add_2 = add + add_1;  add = add_1 = None
         float_3 = self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1.float();  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1 = None
         float_4 = getitem_14.float();  getitem_14 = None
         truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_6 = mul + truediv
-        sub_4 = add_6 - mul
-        sub_5 = add_6 - sub_4
-        sub_6 = mul - sub_5;  mul = sub_5 = None
-        sub_7 = truediv - sub_4;  truediv = sub_4 = None
-        add_7 = sub_6 + sub_7;  sub_6 = sub_7 = None
-        add_8 = add_5 + add_7;  add_5 = add_7 = None
-        abs_2 = add_6.abs()
+        add_3 = mul + truediv
+        sub_1 = add_3 - mul
+        sub_2 = add_3 - sub_1
+        sub_3 = mul - sub_2;  mul = sub_2 = None
+        sub_4 = truediv - sub_1;  truediv = sub_1 = None
+        add_4 = sub_3 + sub_4;  sub_3 = sub_4 = None
+        add_5 = add_2 + add_4;  add_2 = add_4 = None
+        abs_1 = add_3.abs()
+        lt = abs_1 < inf;  abs_1 = None
+        add_6 = add_3 + add_5
+        view = add_6.view(torch.int32);  add_6 = None
+        rshift = view >> 16
+        and_ = rshift & 1;  rshift = None
+        add_7 = view + and_;  view = and_ = None
+        add_8 = add_7 + 32767;  add_7 = None
+        and__1 = add_8 & -65536;  add_8 = None
+        view_1 = and__1.view(torch.float32);  and__1 = None
+        where = torch.where(lt, view_1, add_3);  lt = view_1 = None
+        abs_2 = where.abs()
         lt_1 = abs_2 < inf;  abs_2 = None
-        add_9 = add_6 + add_8
-        where_1 = torch.where(lt_1, add_9, add_6);  lt_1 = add_9 = None
-        abs_3 = where_1.abs()
-        ge = abs_3 >= 1.2676506002282294e+30
-        mul_8 = where_1 * 5.421010862427522e-20
-        where_2 = torch.where(ge, mul_8, where_1);  mul_8 = None
-        mul_9 = where_2 * 65536.0
-        add_10 = mul_9 + where_2;  mul_9 = None
-        sub_8 = add_10 - where_2;  where_2 = None
-        sub_9 = add_10 - sub_8;  add_10 = sub_8 = None
-        mul_10 = sub_9 * 1.8446744073709552e+19
-        where_3 = torch.where(ge, mul_10, sub_9);  ge = mul_10 = sub_9 = None
-        lt_2 = abs_3 < 1.1754943508222875e-38
-        add_11 = abs_3 + 1.1555579666323415e-33
-        sub_10 = add_11 - 1.1555579666323415e-33;  add_11 = None
-        copysign = torch.copysign(sub_10, where_1);  sub_10 = None
-        where_4 = torch.where(lt_2, copysign, where_3);  lt_2 = copysign = where_3 = None
-        lt_3 = abs_3 < inf;  abs_3 = None
-        where_5 = torch.where(lt_3, where_4, where_1);  lt_3 = where_4 = where_1 = None
-        abs_4 = where_5.abs()
-        lt_4 = abs_4 < inf;  abs_4 = None
-        sub_11 = add_6 - where_5;  add_6 = None
-        add_12 = sub_11 + add_8;  sub_11 = add_8 = None
-        abs_5 = add_12.abs()
-        ge_1 = abs_5 >= 1.2676506002282294e+30
-        mul_11 = add_12 * 5.421010862427522e-20
-        where_6 = torch.where(ge_1, mul_11, add_12);  mul_11 = None
-        mul_12 = where_6 * 65536.0
-        add_13 = mul_12 + where_6;  mul_12 = None
-        sub_12 = add_13 - where_6;  where_6 = None
-        sub_13 = add_13 - sub_12;  add_13 = sub_12 = None
-        mul_13 = sub_13 * 1.8446744073709552e+19
-        where_7 = torch.where(ge_1, mul_13, sub_13);  ge_1 = mul_13 = sub_13 = None
-        lt_5 = abs_5 < 1.1754943508222875e-38
-        add_14 = abs_5 + 1.1555579666323415e-33
-        sub_14 = add_14 - 1.1555579666323415e-33;  add_14 = None
-        copysign_1 = torch.copysign(sub_14, add_12);  sub_14 = None
-        where_8 = torch.where(lt_5, copysign_1, where_7);  lt_5 = copysign_1 = where_7 = None
-        lt_6 = abs_5 < inf;  abs_5 = None
-        where_9 = torch.where(lt_6, where_8, add_12);  lt_6 = where_8 = add_12 = None
-        where_10 = torch.where(lt_4, where_9, 0.0);  lt_4 = where_9 = None
-        to = where_5.to(torch.bfloat16);  where_5 = None
-        to_1 = where_10.to(torch.bfloat16);  where_10 = None
+        sub_5 = add_3 - where;  add_3 = None
+        add_9 = sub_5 + add_5;  sub_5 = add_5 = None
+        view_2 = add_9.view(torch.int32);  add_9 = None
+        rshift_1 = view_2 >> 16
+        and__2 = rshift_1 & 1;  rshift_1 = None
+        add_10 = view_2 + and__2;  view_2 = and__2 = None
+        add_11 = add_10 + 32767;  add_10 = None
+        and__3 = add_11 & -65536;  add_11 = None
+        view_3 = and__3.view(torch.float32);  and__3 = None
+        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
+        to = where.to(torch.bfloat16);  where = None
+        to_1 = where_1.to(torch.bfloat16);  where_1 = None
         copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
         copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
         return ()""",
