@@ -89,7 +89,7 @@ def main() -> None:
         opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=args.foreach)
         fn = torch.compile(opt.step, backend=collage_compile.make_backend(**options))
         t0 = time.perf_counter()
-        _, code = _compat.run_and_get_kernel_code(fn)
+        _, code = _compat.run_and_keep_kernel_code(fn)
         sync(args.device)
         info[name] = (time.perf_counter() - t0, *count_code(code))
         steps[name] = fn

@@ -232,7 +232,7 @@ def compile_variant(v: Variant, device: str) -> None:
     """First call: compile time (whole first step) and the generated code's kernels."""
     t0 = time.perf_counter()
     if v.compiled:
-        _, code = _compat.run_and_get_kernel_code(v.step)
+        _, code = _compat.run_and_keep_kernel_code(v.step)
         v.kernels, v.loops = count_code(code)
     else:
         v.step()

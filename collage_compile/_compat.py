@@ -7,6 +7,7 @@ imports ``torch._dynamo``, ``torch._inductor``, ``torch._guards`` or ``torch._su
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,17 +112,83 @@ def compile_with_inductor(
 
 
 def bounded_inlining_patch() -> dict[str, Any]:
-    """Inductor config that bounds how large a reused pointwise expression may grow before
-    it is materialized (``realize_opcount_threshold``: 30 by default, 50 on CPU in 2.13).
+    """Inductor config that bounds what Inductor inlines into a rewritten graph's loops.
 
-    Measured cold on 2.13 CPU, compiling ``mcf.grow(..., "storage")`` on 16 elements:
-    threshold 16 took 24 s, 8 took 6 s, the default did not finish in minutes.  With the
-    bit-level bf16 rounding the fp32 AdamW step no longer explodes at 16 or 32 (24 tensors,
-    cold: 34 s at 8, 37 s at 16, 45 s at 32), and 32 lets the C++ loops run 32 lanes wide
-    like plain Inductor's, but the step is no faster (16M-parameter AdamW, 1 thread, CPU
-    time: 62.8 ms at 32, 63.3 ms at 8), so 8 stays: storage arithmetic still needs it.
+    ``realize_opcount_threshold``: how large a reused pointwise expression may grow before
+    it is materialized (30 by default, 50 on CPU in 2.13).  Measured cold on 2.13 CPU,
+    compiling ``mcf.grow(..., "storage")`` on 16 elements: threshold 16 took 24 s, 8 took
+    6 s, the default did not finish in minutes.  For the fp32 AdamW step 8 is also the
+    fastest at run time (4 x 2M bf16 parameters, 1 thread: 4.13 ns/param at 8, 5.43 at 16,
+    5.24 at 32, where the loops run 32 lanes wide like plain Inductor's).
+
+    ``post_grad_custom_post_pass``: :func:`realize_scalars_pass`, so the step's fp32
+    scalars are computed once per kernel instead of once per vector.
     """
-    return {"realize_opcount_threshold": 8}
+    return {
+        "realize_opcount_threshold": 8,
+        "post_grad_custom_post_pass": realize_scalars_pass(),
+    }
+
+
+@functools.cache
+def realize_scalars_pass() -> Any:
+    """An Inductor post-grad pass that reads every computed fp32/fp64 0-d tensor through
+    ``aten.as_strided`` where a non-scalar computation uses it.
+
+    An optimizer step derives per-tensor scalars from its step counter (AdamW's
+    ``1 - beta2**step``, its square root, the step size).  Inductor inlines such a value
+    into every loop that broadcasts it, so the C++ loop over a parameter calls
+    ``powf``/``sqrtf`` once per 16-lane vector: a libm call clobbers every vector register
+    (all are caller-saved on x86-64), so the values the MCF chain keeps live are spilled
+    and reloaded around it, and each vector's long dependency chain restarts after it.
+    Inductor's ``as_strided`` lowering realizes its input: the scalar is computed once in
+    the kernel's scalar prologue and loaded in the loop (same kernel, same fp32 value, no
+    numerical change).  Low-precision 0-d values are left alone (their store would round).
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    aten = torch.ops.aten
+
+    def scalar(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return (
+            node.op == "call_function"
+            and isinstance(val, torch.Tensor)
+            and val.dim() == 0
+            and val.dtype in (torch.float32, torch.float64)
+        )
+
+    def nonscalar(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in vals)
+
+    class RealizeScalars(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for node in list(graph.nodes):
+                if node.op != "call_function" or not nonscalar(node):
+                    continue
+                views: dict[fx.Node, fx.Node] = {}
+
+                def through_view(a: Any, node: fx.Node = node, views: dict = views) -> Any:
+                    if not (isinstance(a, fx.Node) and scalar(a)):
+                        return a
+                    if a not in views:
+                        with graph.inserting_before(node):
+                            v = graph.call_function(aten.as_strided.default, (a, [], []))
+                        val = a.meta["val"]
+                        with val.fake_mode:
+                            v.meta["val"] = aten.as_strided.default(val, [], [])
+                        views[a] = v
+                    return views[a]
+
+                node.args = fx.node.map_arg(node.args, through_view)
+                node.kwargs = fx.node.map_arg(node.kwargs, through_view)
+
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
+
+    return RealizeScalars()
 
 
 def eager_rounding_patch() -> dict[str, Any]:
@@ -176,6 +243,23 @@ def fused_optimizer_ops() -> dict[Any, str]:
         "_fused_adagrad_": "Adagrad(fused=True)",
     }
     return {getattr(torch, n): label for n, label in names.items() if hasattr(torch, n)}
+
+
+def run_and_keep_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
+    """Run ``fn`` and return (result, the source files Inductor generated while it ran).
+
+    Unlike :func:`run_and_get_kernel_code` this does not reset Dynamo first, so functions
+    compiled before stay compiled (benchmarks compare several compiled steps in one run;
+    a reset would recompile each of them, without any patch active at its first compile).
+    """
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        result = fn(*args)
+    return result, codes
 
 
 def run_and_get_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
