@@ -381,6 +381,17 @@ def _copy_metrics(
     }
 
 
+def _finite(x: Any) -> Any:
+    """``x`` with every NaN replaced by None (null): strict JSON readers reject NaN."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _quantile(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))]
 
@@ -650,7 +661,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "table": text,
         "results": results,
     }
-    (out / "train_gpt.json").write_text(json.dumps(result, indent=1))
+    result = _finite(result)
+    (out / "train_gpt.json").write_text(json.dumps(result, indent=1, allow_nan=False))
     png = out / "train_gpt.png"
     title = header.split("\n")[0] + f"; AdamW lr={s.lr:g}, β2={s.beta2:g}, {s.steps} steps"
     if plot(results, png, title):
