@@ -1,7 +1,8 @@
 """Optimizer step speed, memory and compile time against the alternatives, side by side.
 
     python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
-                              [--rounds 15] [--json PATH] [--plot PATH]
+                              [--threads N] [--clock wall|cpu] [--rounds 15]
+                              [--json PATH] [--plot PATH]
 
 One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``)
 and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
@@ -277,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.config.recompile_limit = 64  # one cache entry per variant of AdamW.step
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):
+        raise SystemExit("--clock cpu measures one thread's CPU time: use --threads 1 on cpu")
     shapes = layer_shapes(*SIZES[args.size])
     n = sum(torch.Size(s).numel() for s in shapes)
     _warm_up_inductor(args.device)
@@ -289,13 +292,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_fn()
     copy_samples: list[float] = []
 
+    # "cpu": the stepping thread's CPU time, which other processes on a shared machine do not
+    # inflate (preemption is not counted); meaningful with --threads 1 on a CPU device only
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
     def timed(fn: Callable[[], Any]) -> float:
         sync(args.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(args.steps):
             fn()
         sync(args.device)
-        return (time.perf_counter() - t0) / args.steps
+        return (clock() - t0) / args.steps
 
     for _ in range(args.rounds):
         copy_samples.append(timed(copy_fn))
@@ -337,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "foreach": args.foreach,
         "rounds": args.rounds,
         "steps_per_sample": args.steps,
+        "clock": "thread CPU time" if args.clock == "cpu" else "wall",
         "copy_GBps": copy_gbs,
         "rows": rows,
     }
@@ -362,7 +370,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"AdamW step, {res['params'] / 1e6:.2f}M params in {res['tensors']} tensors, "
         f"foreach={res['foreach']}, {res['device']} ({res['machine']}), torch {res['torch']}, "
         f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "
-        f"{res['steps_per_sample']} steps; copy bandwidth {res['copy_GBps']:.1f} GB/s",
+        f"{res['steps_per_sample']} steps ({res['clock']}); copy bandwidth "
+        f"{res['copy_GBps']:.1f} GB/s",
         f"{'variant':<20} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
         f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
@@ -403,6 +412,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or (with --threads 1) the thread's CPU time, robust to other load",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a bar chart (matplotlib)")
     args = ap.parse_args()
