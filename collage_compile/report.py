@@ -289,12 +289,16 @@ def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
     # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
     # False and adds nothing to the graph.
     for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
+        # ``for p in``, not enumerate(): Dynamo names a graph's parameter after the variable
+        # that first holds it, and enumerate's polyfill would rename every one to "x"
+        i = 0
+        for p in group["params"]:
             dtype = getattr(p, "dtype", None)
             if dtype == torch.complex32:
                 _warn_param_eagerly("complex", type(optimizer).__name__, g, i, tuple(p.shape))
             elif dtype in _LOW and p.grad is not None and p.grad.layout != torch.strided:
                 _warn_param_eagerly("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
+            i += 1
         if not any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
             continue
         if group.get("fused"):
