@@ -296,7 +296,15 @@ def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
             dtype = getattr(p, "dtype", None)
             if dtype == torch.complex32:
                 _warn_param_eagerly("complex", type(optimizer).__name__, g, i, tuple(p.shape))
-            elif dtype in _LOW and p.grad is not None and p.grad.layout != torch.strided:
+            elif (
+                dtype in _LOW
+                # a traced step never has sparse grads (Dynamo falls back to eager, where
+                # this runs); not reading .grad while tracing keeps the graph's inputs as
+                # they were
+                and not torch.compiler.is_compiling()
+                and p.grad is not None
+                and p.grad.layout != torch.strided
+            ):
                 _warn_param_eagerly("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
             i += 1
         if not any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
