@@ -252,14 +252,13 @@ class _LoInputs:
     ):
         self.compiled = compiled
         self.metrics = metrics
-        self._upgraded = list(upgraded)
         self._attrs = [
             (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
             for slot, a in enumerate(upgraded)
             if a.real is not None
         ]
         self._by_input = [
-            (slot, a.input_index) for slot, a in enumerate(upgraded) if a.real is None
+            (slot, a.input_index, a.name) for slot, a in enumerate(upgraded) if a.real is None
         ]
         self._los: list[torch.Tensor | None] = [None] * len(upgraded)
         self._unchained_refs = [(weakref.ref(a.real), a) for a in unchained if a.real is not None]
@@ -283,9 +282,9 @@ class _LoInputs:
                 los[slot] = state.lo_for(t)
             state.check(t, los[slot], acc.name)
         call_los = list(los)
-        for slot, idx in self._by_input:
+        for slot, idx, name in self._by_input:
             call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
-            state.check(args[idx], lo, self._upgraded[slot].name)
+            state.check(args[idx], lo, name)
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
         if self.metrics is not None:
@@ -295,7 +294,7 @@ class _LoInputs:
         # hi and lo moved together: remember hi as it is now (state.check, next call)
         for slot, ref, *_ in self._attrs:
             state.stamp(ref(), call_los[slot])
-        for slot, idx in self._by_input:
+        for slot, idx, _ in self._by_input:
             state.stamp(args[idx], call_los[slot])
         written = [(r(), a) for r, a in self._unchained_refs]
         written += [(args[i], a) for i, a in self._unchained_inputs]

@@ -282,10 +282,10 @@ def watch_fused_optimizers() -> None:
         global _warn_untraced_eagerly, _warn_param_eagerly
         _warn_untraced_eagerly = torch.compiler.disable(_warn_untraced)
         _warn_param_eagerly = torch.compiler.disable(_warn_param)
-        _fused_hook = register_optimizer_step_pre_hook(_check_fused)
+        _fused_hook = register_optimizer_step_pre_hook(_check_step)
 
 
-def _check_fused(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _check_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
     # False and adds nothing to the graph.
     for g, group in enumerate(optimizer.param_groups):

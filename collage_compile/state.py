@@ -243,8 +243,9 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         _register(t, lo)
     if old is not None and id(old) in _stamps:
         _, owner, _version, probe, pending = _stamps[id(old)]
+        probe = None if probe is None else probe.to(lo.device)
         # the move gave the tensor a new version counter: re-read it, keep the probe
-        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, _to(probe, lo), pending)
+        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, probe, pending)
     return lo
 
 
@@ -360,10 +361,6 @@ def _probe(t: torch.Tensor) -> torch.Tensor | None:
 
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _to(probe: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    return None if probe is None else probe.to(like.device)
 
 
 def _forget_stamp(key: int, ref: weakref.ref) -> None:
