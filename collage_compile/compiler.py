@@ -210,20 +210,19 @@ def _graph_metrics(measured: list[tuple[Accumulator, Any]]) -> GraphMetrics | No
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
     """Inductor config for a rewritten graph.
 
-    The MCF roundings never depend on it (they are fp32 arithmetic).  Error-free
-    transformations reuse every intermediate several times; Inductor inlines a reused
-    pointwise value into each user until its op count passes a threshold (50 on CPU), so
-    a chain of them is re-traced exponentially often (minutes for one SGD step).  A lower
-    threshold makes Inductor materialize the shared values; the scheduler still fuses them
-    into one kernel (checked by the kernel-count test).  ``"storage"``
-    arithmetic promises eager bf16 semantics for the whole optimizer step, so there every
-    other low-precision op of the graph (momentum buffers, ``grad + wd * p``) must round
-    like eager too: that is ``emulate_precision_casts``, scoped to this graph.
+    The MCF roundings never depend on it (they are fp32 arithmetic).  The step's fp32
+    scalars are computed once per kernel (:func:`_compat.scalar_prologue_patch`).
+    ``"storage"`` arithmetic is a long sequence of error-free transformations whose reused
+    intermediates make Inductor's inlining exponential (minutes for one SGD step), so there
+    Inductor materializes them early (:func:`_compat.bounded_inlining_patch`; the scheduler
+    still fuses them into one kernel, checked by the kernel-count test); and it promises
+    eager bf16 semantics for the whole optimizer step, so every other low-precision op of
+    the graph (momentum buffers, ``grad + wd * p``) must round like eager too: that is
+    ``emulate_precision_casts``, scoped to this graph.
     """
-    patches = dict(_compat.bounded_inlining_patch())
     if config.arithmetic == "storage":
-        patches.update(_compat.eager_rounding_patch())
-    return patches
+        return {**_compat.bounded_inlining_patch(), **_compat.eager_rounding_patch()}
+    return dict(_compat.scalar_prologue_patch())
 
 
 def inductor_options() -> dict[str, Any]:

@@ -7,9 +7,14 @@ into the optimizer graph.  A value is carried as a pair (hi, lo) of the storage 
 
 Two arithmetics (``CollageConfig.arithmetic``):
 
-* ``"fp32"`` (default): the pair is loaded into an fp32 *double-word* (s, e), updates are
-  added with error-free transformations (TwoSum, Dekker TwoProd), so fp32's own 24 bits never
-  eat a tiny update, and the result is rounded once into the pair, hi to nearest.
+* ``"fp32"`` (default): the pair is loaded into an fp32 *double-word* (s, e): s the stored
+  hi, e everything else (lo, then every update and decay term of the chain).  An update is
+  added to e, never to s, so it is rounded relative to itself and lo, never relative to
+  the weight: fp32's 24 bits cannot eat a tiny update, and the rounding it does get
+  (2^-24 of the update) is the precision the optimizer computed the update in.  The result
+  is rounded once into the pair, hi to nearest.  One to three operations per step where
+  error-free transformations (TwoSum, Dekker's product) need seven to nine, with the same
+  accuracy on the float64-checked streams (README "Speed").
 * ``"storage"``: the paper's sequence (Collage, arXiv 2405.03637, Algorithm "Grow"), every
   operation rounded to the storage dtype, bit-identical to running it op by op in eager bf16.
 
@@ -21,13 +26,17 @@ rounding once compiled.  :func:`round_to` rounds to bf16 with integer arithmetic
 bit pattern (round to nearest even in five integer operations), and to fp16 with fp32
 arithmetic alone (a Veltkamp split), which no compiler pass may remove without licence to
 reassociate floating point (Inductor's C++ flags keep ``-fno-unsafe-math-optimizations``
-and ``-ffp-contract=off``; Triton does not reassociate).  Every product inside it and inside :func:`two_prod` is exact,
-so FMA contraction (Triton's default) cannot change a result either.
+and ``-ffp-contract=off``; Triton does not reassociate).  Every product inside it and
+inside :func:`two_prod` is exact, so FMA contraction (Triton's default) cannot change a
+result either.  The fp32 arithmetic rounds bf16 with :func:`split_round`, the same split
+without branches: Inductor's C++ backend moves a bitcast through memory one element at a
+time when it vectorizes 32 lanes wide, which made the bit version the slowest part of a step.
 
 Compiling these functions yourself: pass ``options=collage_compile.inductor_options()`` to
 ``torch.compile``.  Error-free transformations reuse every intermediate several times, and
 Inductor re-traces a reused pointwise value into each user until it is large, which makes
-lowering exponential in the chain length (the backend applies the same option itself).
+lowering exponential in the chain length (the backend applies the same option to graphs in
+``"storage"`` arithmetic).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import torch
 
 __all__ = [
     "LOW_PRECISION",
+    "constant_factor",
     "dw_add",
     "dw_div",
     "dw_from_pair",
@@ -51,6 +61,7 @@ __all__ = [
     "round_to",
     "split",
     "split_constant",
+    "split_round",
     "storage_add",
     "storage_div",
     "storage_mul",
@@ -145,11 +156,19 @@ def _round_veltkamp(x: Any, dtype: torch.dtype) -> Any:
     return torch.where(ax < _INF, r, x)
 
 
-def _round_finite(x: Any, dtype: torch.dtype) -> Any:
-    """:func:`round_to` for an ``x`` that is finite or +-inf (never NaN)."""
-    if dtype == torch.bfloat16:
-        return _round_bf16_bits(x)
-    return _round_veltkamp(x, dtype)
+def split_round(x: Any, dtype: torch.dtype) -> Any:
+    """fp32 ``x`` rounded to ``dtype``'s significand (to nearest, ties to even) by a
+    Veltkamp split, four fp32 operations and no branch.
+
+    Equal to :func:`round_to` wherever ``dtype`` has a normal number of that size (bf16:
+    ``2^-126 <= |x| < 2^111``; checked on 11 million values, ties included).  Below, it
+    keeps more bits than a subnormal holds; from 2^111 (``x * 2^16`` overflows), and for
+    inf and NaN, it returns NaN.  ``x * 2^16`` is exact, so FMA contraction cannot change
+    ``c``, and nothing else is a product.
+    """
+    p, _ = _format(dtype)
+    c = x * 2.0 ** (24 - p) + x
+    return c - (c - x)
 
 
 def two_sum(a: Any, b: Any) -> tuple[Any, Any]:
@@ -209,6 +228,14 @@ def split_constant(c: float, dtype: torch.dtype) -> tuple[float, float]:
     return hi, lo
 
 
+def constant_factor(c: float) -> tuple[float, float]:
+    """``(c, c - 1)`` as fp32 values for :func:`dw_mul`, ``c - 1`` taken in float64 first
+    (``1 - 1e-5`` in fp32 is 0.99998999..., whose distance to 1 is off by 0.1 %)."""
+    c = float(c)
+    as32 = torch.tensor([c, c - 1.0], dtype=torch.float64).float().tolist()
+    return as32[0], as32[1]
+
+
 def _overflow_threshold(dtype: torch.dtype) -> float:
     """The smallest magnitude that rounds to inf in ``dtype`` (max + half an ulp)."""
     info = torch.finfo(dtype)
@@ -225,31 +252,23 @@ def dw_from_pair(hi: Any, lo: Any) -> tuple[Any, Any]:
 
 
 def dw_add(s: Any, e: Any, u: Any) -> tuple[Any, Any]:
-    """(s, e) + u with u's every bit kept: TwoSum on the leading word, error into e."""
-    s2, t = two_sum(s, u)
-    return s2, e + t
+    """(s, e) + u: u joins the correction word, rounded relative to ``|e + u|`` only.
 
-
-def dw_mul(s: Any, e: Any, c_hi: Any, c_lo: Any = 0.0, *, short: bool = False) -> tuple[Any, Any]:
-    """(s, e) * (c_hi + c_lo): exact leading product, first-order terms into e.
-
-    ``short``: ``s`` has at most 12 significant bits (a storage value just loaded, as in a
-    chain's first step: bf16 has 8, fp16 11) and ``c_hi`` is a Python float (a tensor
-    factor takes the general path).  Then ``s`` is its own Veltkamp head with a
-    zero tail, and Dekker's product needs only ``c_hi``'s split: ``s * ch`` and ``s * cl``
-    are exact, and ``(s * ch - p) + s * cl`` is the exact error of ``p = fl(s * c_hi)``
-    (five operations instead of :func:`two_prod`'s seventeen).  No overflow guard is needed:
-    ``|s * ch| <= |p| (1 + 2^-12)``, which stays finite for every ``p`` that does not round
-    to inf in the storage dtype anyway.
+    s keeps the value it was loaded with (a storage value), so an update far below s's
+    fp32 ulp is kept in full, and one comparable to the weight loses 2^-24 of itself, no
+    more than computing it in fp32 already cost.
     """
-    if short and isinstance(c_hi, float) and abs(c_hi) < 2.0**100:
-        # c_hi's split is done on the host (a huge constant's split would overflow)
-        p = s * c_hi
-        ch, cl = split(c_hi)
-        t = (s * ch - p) + s * cl
-    else:
-        p, t = two_prod(s, c_hi)
-    return p, t + (s * c_lo + e * c_hi)
+    return s, e + u
+
+
+def dw_mul(s: Any, e: Any, c: Any, c_minus_one: Any) -> tuple[Any, Any]:
+    """(s, e) * c, given ``c`` and ``c - 1`` in fp32 (``c - 1`` computed before rounding c).
+
+    ``s * c == s + s * (c - 1)``: the change ``s * (c - 1)`` joins the correction word, so a
+    decay such as ``1 - lr * wd`` is applied in full however close to 1 it is (fp32's own
+    ``s * c`` would round it away) and rounded relative to the change itself.
+    """
+    return s, e * c + s * c_minus_one
 
 
 def dw_div(s: Any, e: Any, d: Any) -> tuple[Any, Any]:
@@ -260,20 +279,42 @@ def dw_div(s: Any, e: Any, d: Any) -> tuple[Any, Any]:
     return q, (((s - p) - t) + e) / d
 
 
-def dw_to_pair(s: Any, e: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+def dw_to_pair(s: Any, e: Any, dtype: torch.dtype, *, stored: bool = False) -> tuple[Any, Any]:
     """Round a double-word into a storage pair: hi to nearest, lo the rounded remainder.
 
     Inf/NaN behave as plain arithmetic would: hi takes the naive fp32 result and lo is 0.
+
+    ``stored``: the pair is only stored, never read back in fp32 by the same compiled code
+    (the chain is the last use of its tensor there).  Then hi and lo are handed to the
+    stores unrounded and the stores' own conversions round them (Inductor keeps a
+    conversion into a low-precision buffer; it elides one only where the value is read back
+    in fp32).  lo still needs hi's rounded value, computed here the way the store rounds.
+    Otherwise both are rounded here, so a reader in the same kernel (an EMA of the weight,
+    the step's metrics) sees exactly the stored values.
+
+    bf16 is rounded with :func:`split_round` (fp32 arithmetic only: in a C++ kernel 32
+    lanes wide, Inductor moves every value through a bitcast one element at a time, which
+    made :func:`round_to` the slowest part of the step).  Below bf16's smallest normal,
+    2^-126, it keeps more bits than a subnormal holds, so there hi + lo is exact to 2^-134
+    rather than to the last bit; from 2^111 up the pair is rounded as plain bf16 (lo 0).
     """
-    # Where s is finite, e is too (every error term is finite for finite operands, and
-    # two_prod zeroes its own on overflow), so s + e is finite or +-inf and never NaN:
-    # the rounding needs no NaN check.  Where s is not (an inf/nan update, an overflow),
-    # e may be NaN (inf - inf): hi takes s itself.
-    hi = torch.where(s.abs() < _INF, _round_finite(s + e, dtype), s)
-    # s - hi is exact (hi is within half a storage ulp of s + e, far below s's own ulp
-    # range), so the remainder loses only the final rounding to dtype.  Where hi is finite
-    # the remainder is finite; where it is not, lo is 0.
-    lo = torch.where(hi.abs() < _INF, _round_finite((s - hi) + e, dtype), 0.0)
+    t = s + e
+    if dtype == torch.bfloat16:
+        r = split_round(t, dtype)  # NaN where t is inf, NaN or beyond 2^111
+        lo_round = split_round
+    else:
+        r = _round_veltkamp(t, dtype)  # exact, subnormals and overflow to inf included
+        lo_round = _round_veltkamp
+    ok = r.abs() < _INF
+    # s - r is exact where s is within a factor of two of r (Sterbenz): s is the loaded
+    # hi, and e moves it by less than that unless an update dwarfs the weight, where the
+    # remainder is rounded relative to the result (fp32 precision of hi + lo).  Where r is
+    # finite so are s and e (an inf or NaN operand makes s + e one), and the remainder.
+    rest = (s - r) + e
+    if stored:
+        return t.to(dtype), torch.where(ok, rest, 0.0).to(dtype)
+    hi = torch.where(ok, r, t)
+    lo = torch.where(ok, lo_round(rest, dtype), 0.0)
     return hi.to(dtype), lo.to(dtype)
 
 
@@ -349,8 +390,7 @@ def mul(hi: Any, lo: Any, c: float, arithmetic: str = "fp32") -> tuple[Any, Any]
     """Multiply the pair ``(hi, lo)`` by the Python constant ``c`` (a decay)."""
     dtype = hi.dtype
     if arithmetic == "fp32":
-        c_hi, c_lo = split_constant(c, torch.float32)
-        s, e = dw_mul(*dw_from_pair(hi, lo), c_hi, c_lo, short=True)
+        s, e = dw_mul(*dw_from_pair(hi, lo), *constant_factor(c))
         return dw_to_pair(s, e, dtype)
     if arithmetic == "storage":
         c_hi, c_lo = split_constant(c, dtype)
@@ -366,7 +406,8 @@ def renormalize(hi: Any, lo: Any, arithmetic: str = "fp32") -> tuple[Any, Any]:
     """
     dtype = hi.dtype
     if arithmetic == "fp32":
-        return dw_to_pair(*dw_from_pair(hi, lo), dtype)
+        # TwoSum first: lo may be as large as hi, where s - hi would not be exact
+        return dw_to_pair(*two_sum(hi.float(), lo.float()), dtype)
     if arithmetic == "storage":
         a, b = hi.float(), lo.float()
         # TwoSum with every operation rounded to dtype: still error-free in dtype

@@ -48,22 +48,23 @@ def mcf_chain(
     steps: list[tuple[str, tuple[Any, ...], Any]],
     arithmetic: str,
     dtype: torch.dtype | None = None,
+    *,
+    stored: bool = False,
 ) -> tuple[Any, Any]:
     """Apply ``steps`` (``(kind, args, fn)`` with resolved operands) to the pair (hi, lo).
 
     Returns the new (hi, lo) in the storage dtype (``hi.dtype`` unless given; a proxy has
-    none).  Used eagerly by tests and traced with fx proxies by the rewrite.
+    none).  Used eagerly by tests and traced with fx proxies by the rewrite.  ``stored``:
+    the result is only stored, not read again in fp32 (see :func:`mcf.dw_to_pair`).
     """
     dtype = dtype or hi.dtype
     if arithmetic == "fp32":
         s, e = mcf.dw_from_pair(hi, lo)
-        for i, (kind, args, fn) in enumerate(steps):
+        for kind, args, fn in steps:
             if kind == "add":
                 s, e = mcf.dw_add(s, e, fn(*args))
             elif kind == "mul":
-                c_hi, c_lo = _factor_fp32(hi, args, fn)
-                # before any other step s is the stored hi: a short significand
-                s, e = mcf.dw_mul(s, e, c_hi, c_lo, short=i == 0)
+                s, e = mcf.dw_mul(s, e, *_factor_and_change(hi, args, fn))
             elif kind == "div":
                 s, e = mcf.dw_div(s, e, f32(args[0]))
             elif kind == "lerp":
@@ -73,7 +74,7 @@ def mcf_chain(
                 s, e = _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
             else:
                 raise ValueError(f"unknown step kind {kind!r}")
-        return mcf.dw_to_pair(s, e, dtype)
+        return mcf.dw_to_pair(s, e, dtype, stored=stored)
     if arithmetic == "storage":
         a, r = hi.float(), lo.float()
         for kind, args, fn in steps:
@@ -148,6 +149,19 @@ def _factor_fp32(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
     if isinstance(c, fx.Proxy):
         return _split_symbolic(hi, c)
     return mcf.split_constant(float(c), torch.float32)
+
+
+def _factor_and_change(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
+    """A decay's factor c and its change c - 1, in fp32 (:func:`mcf.dw_mul`)."""
+    c = fn(*args) if fn is not None else args[0]
+    if _is_tensor(c):
+        c = c.float()
+        # exact for c in [1/2, 2] (Sterbenz), every decay; elsewhere rounded relative to it
+        return c, c - 1.0
+    if isinstance(c, fx.Proxy):
+        c64 = hi.new_full((), c, dtype=torch.float64)
+        return c64.float(), (c64 - 1.0).float()
+    return mcf.constant_factor(float(c))
 
 
 def _factor_storage(hi: Any, args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -366,6 +380,44 @@ def plan_chains(info: GraphInfo, sites: dict[Write, Site], unsupported: list[Wri
     return chains
 
 
+def last_pair_uses(info: GraphInfo, chains: list[Chain]) -> dict[Accumulator, int]:
+    """For each accumulator, the position of the last node that uses its hi and lo as a
+    pair: a write to its storage (a later chain loads hi + lo; an unsupported in-place op
+    reads the old hi and its lo is then reset), or a chain reading it as a whole operand
+    (an EMA reading the weight's hi + lo, emitted just before the chain's last write).
+
+    A plain read (AdamW's ``sqrt(v)``) is not a use of the pair: inside one kernel it sees
+    the unrounded value, as it would in plain Inductor."""
+    last: dict[Accumulator, int] = {}
+    for n in info.gm.graph.nodes:
+        pos = info.positions.get(n)
+        if pos is None:  # added by the rewrite (lo inputs)
+            continue
+        for w in written_nodes(n):
+            for acc, _ in info.accumulators_of_node(w):
+                last[acc] = pos
+    for chain in chains:
+        pos = info.positions[chain.sites[-1].write.node]
+        for site in chain.sites:
+            for step in site.steps:
+                for arg in flat_nodes(step.args):
+                    pair = _pair_operand(info, arg, chain.acc)
+                    if pair is not None:
+                        last[pair] = max(last.get(pair, -1), pos)
+    return last
+
+
+def _pair_operand(info: GraphInfo, x: Any, own: Accumulator) -> Accumulator | None:
+    """The accumulator whose pair an operand reads (itself, or through a view), as
+    :meth:`_Emitter._lo_of` resolves it."""
+    while x is not None:
+        pair = _pair_of(info, x, own)
+        if pair is not None:
+            return pair
+        x = _view_of(x)[0]
+    return None
+
+
 def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -> None:
     """A placeholder per accumulator for its lo component, after the existing inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -408,6 +460,7 @@ def emit(
     graph = gm.graph
     em = _Emitter(graph)
     measured: list[tuple[Accumulator, Any]] = []
+    used_until = last_pair_uses(info, chains)
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
@@ -420,8 +473,11 @@ def emit(
                 for site in chain.sites
                 for step in site.steps
             ]
-            new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype)
-            if metrics and acc.role == "param":
+            measure = metrics and acc.role == "param"
+            # the stores may round hi and lo themselves unless the pair is used again later
+            stored = not measure and used_until.get(acc, -1) <= info.positions[last]
+            new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype, stored=stored)
+            if measure:
                 old_hi, old_lo = hi.float(), lo.float()
                 delta = _metrics.intended_delta(old_hi, old_lo, trace_steps(hi, steps))
                 sums = _metrics.step_sums(old_hi, old_lo, new_hi, new_lo, delta)
@@ -457,6 +513,7 @@ def emit_measurements(
     graph = gm.graph
     em = _Emitter(graph)
     measured: list[tuple[Accumulator, Any]] = []
+    used_until = last_pair_uses(info, chains)
     for chain in chains:
         acc = chain.acc
         if acc.role != "param":

@@ -1,11 +1,12 @@
 """The code Inductor generates: the MCF roundings are in it, and the rewrite adds no kernels.
 
 Inductor silently drops ``to(bf16)``/``to(float32)`` round trips inside a fused kernel, which
-turns a correct-looking Fast2Sum into a no-op.  MCF rounds to bf16 on the fp32 bit pattern
-instead (``(bits + lsb + 0x7FFF) & -65536``) and to fp16 with a Veltkamp split
-(``c = y * 2^13 + y; r = c - (c - y)``); these tests read the generated source and fail if
-those signatures disappear, on the C++ (CPU) backend here and on Triton where a GPU is
-available.
+turns a correct-looking Fast2Sum into a no-op.  The rewrite rounds hi (which lo is the
+remainder of) with a Veltkamp split in fp32 arithmetic, ``c = y * 2^16 + y; r = c - (c - y)``
+for bf16 and ``2^13`` for fp16; these tests read the generated source and fail if that
+signature disappears, on the C++ (CPU) backend here and on Triton where a GPU is available.
+``bit_roundings`` finds the bit-pattern rounding (``(bits + lsb + 0x7FFF) & -65536``) of
+:func:`collage_compile.mcf.round_to`, which the ``"storage"`` arithmetic uses.
 """
 
 from __future__ import annotations
@@ -86,8 +87,17 @@ def test_generated_cpp_keeps_the_roundings(opt_name):
     ps = _params()
     _, code = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
     src = "\n".join(code)
-    # two roundings (hi and lo) per upgraded tensor, each masking off the low 16 bits
-    assert bit_roundings(src) >= 2 * len(ps)
+    # one explicit rounding per upgraded tensor: hi's, which lo (the remainder) is computed
+    # from; hi and lo are then rounded by their bf16 stores
+    assert "65536.0" in src and veltkamp_roundings(src) >= len(ps)
+
+
+def test_generated_cpp_of_the_storage_arithmetic_rounds_every_operation():
+    ps = _params()
+    backend = collage_compile.make_backend(arithmetic="storage")
+    _, code = _compat.run_and_get_kernel_code(_step("sgd", ps, backend))
+    # the paper's Grow: five roundings per element, each masking off the low 16 bits
+    assert bit_roundings("\n".join(code)) >= 5 * len(ps)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
@@ -104,7 +114,7 @@ def test_fp16_rounding_uses_the_fp16_split():
     ps = _params(dtype=torch.float16)
     _, code = _compat.run_and_get_kernel_code(_step("sgd", ps, collage_compile.backend))
     src = "\n".join(code)
-    assert "8192.0" in src and veltkamp_roundings(src) >= 2 * len(ps)
+    assert "8192.0" in src and veltkamp_roundings(src) >= len(ps)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton codegen)")
@@ -113,7 +123,7 @@ def test_generated_triton_keeps_the_roundings_and_the_numerics(opt_name):
     ps = _params("cuda")
     _, code = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
     src = "\n".join(code)
-    assert bit_roundings(src) >= 2 * len(ps)
+    assert "65536.0" in src and veltkamp_roundings(src) >= len(ps)
     # and the compensation works after Triton compilation: SGD stream as in the CPU tests
     torch._dynamo.reset()
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -194,6 +194,41 @@ def test_an_ema_of_bf16_weights_tracks_float64(d, form, drift, steps):
     assert all(collage_compile.components(e)[1] is not None for e in emas)
 
 
+def test_an_ema_in_the_same_graph_as_the_step_reads_the_stored_pair():
+    """One compiled function steps the weights and then averages them.  A chain whose
+    result nothing reads leaves hi's rounding to its store; here the EMA reads the new
+    weight, so the step must round hi itself: Inductor would otherwise hand the EMA the
+    unrounded hi (it forwards a value stored in the same kernel), plus lo, counting lo
+    twice.  Each step's EMA is checked against the float64 lerp of the stored values."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 4096, 0.5  # a fast average, so a doubled lo (~1e-3 of a weight ulp) would show
+    p = torch.nn.Parameter((0.5 * torch.randn(n, generator=g)).to(torch.bfloat16))
+    ema = p.detach().clone()
+
+    @torch.no_grad()
+    def step(p, ema):  # no graph break between the two updates (opt.step() would make one)
+        p.add_(p.grad, alpha=-1e-3)
+        ema.lerp_(p, 1 - d)
+
+    compiled = torch.compile(step, backend=collage_compile.backend)
+    worst = 0.0
+    for _ in range(20):
+        p.grad = (0.01 * torch.randn(n, generator=g) + 0.02).to(torch.bfloat16)
+        before = collage_compile.value(ema).double()
+        compiled(p, ema)
+        expected = before + (1 - d) * (collage_compile.value(p).double() - before)
+        got = collage_compile.value(ema).double()
+        worst = max(worst, ((got - expected).abs() / expected.abs().clamp_min(1e-3)).max().item())
+    lo = collage_compile.components(p)[1]
+    assert lo is not None and lo.abs().max() > 0  # the weights carry a lo to be read
+    assert collage_compile.components(ema)[1] is not None
+    # hi + lo of the EMA holds ~16 bits: its own rounding is ~2^-17 of it
+    assert worst <= 2.0**-14, worst
+    # the same arithmetic in plain bf16 rounds each step's EMA to 8 bits
+    plain = (before + (1 - d) * (p.detach().double() - before)).bfloat16().double()
+    assert ((plain - expected).abs() / expected.abs().clamp_min(1e-3)).max().item() >= 2.0**-10
+
+
 def test_averaged_model_with_ema_multi_avg_fn_is_upgraded():
     """torch.optim.swa_utils.AveragedModel passes ``p.detach()`` of its averaged params each
     call: the pair is kept by storage, and ``value(ema_param)`` finds it."""

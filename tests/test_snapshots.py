@@ -53,38 +53,19 @@ class GraphModule(torch.nn.Module):
         float_2 = collage_lo_x.float()
         float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
         mul = float_3 * -0.001;  float_3 = None
-        add = float_1 + mul
-        sub = add - float_1
-        sub_1 = add - sub
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        sub_3 = mul - sub;  mul = sub = None
-        add_1 = sub_2 + sub_3;  sub_2 = sub_3 = None
-        add_2 = float_2 + add_1;  float_2 = add_1 = None
-        abs_1 = add.abs()
+        add = float_2 + mul;  float_2 = mul = None
+        add_1 = float_1 + add
+        mul_1 = add_1 * 65536.0
+        add_2 = mul_1 + add_1;  mul_1 = None
+        sub = add_2 - add_1
+        sub_1 = add_2 - sub;  add_2 = sub = None
+        abs_1 = sub_1.abs()
         lt = abs_1 < inf;  abs_1 = None
-        add_3 = add + add_2
-        view = add_3.view(torch.int32);  add_3 = None
-        rshift = view >> 16
-        and_ = rshift & 1;  rshift = None
-        add_4 = view + and_;  view = and_ = None
-        add_5 = add_4 + 32767;  add_4 = None
-        and__1 = add_5 & -65536;  add_5 = None
-        view_1 = and__1.view(torch.float32);  and__1 = None
-        where = torch.where(lt, view_1, add);  lt = view_1 = None
-        abs_2 = where.abs()
-        lt_1 = abs_2 < inf;  abs_2 = None
-        sub_4 = add - where;  add = None
-        add_6 = sub_4 + add_2;  sub_4 = add_2 = None
-        view_2 = add_6.view(torch.int32);  add_6 = None
-        rshift_1 = view_2 >> 16
-        and__2 = rshift_1 & 1;  rshift_1 = None
-        add_7 = view_2 + and__2;  view_2 = and__2 = None
-        add_8 = add_7 + 32767;  add_7 = None
-        and__3 = add_8 & -65536;  add_8 = None
-        view_3 = and__3.view(torch.float32);  and__3 = None
-        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
-        to = where.to(torch.bfloat16);  where = None
-        to_1 = where_1.to(torch.bfloat16);  where_1 = None
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        add_3 = sub_2 + add;  sub_2 = add = None
+        to = add_1.to(torch.bfloat16);  add_1 = None
+        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
+        to_1 = where.to(torch.bfloat16);  where = None
         copy_ = x.copy_(to);  x = to = copy_ = None
         copy__1 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__1 = None
         return ()""",
@@ -102,38 +83,19 @@ class GraphModule(torch.nn.Module):
         float_2 = collage_lo_self___param_groups_0__params___0.float()
         float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
         mul = float_3 * -0.001;  float_3 = None
-        add = float_1 + mul
-        sub = add - float_1
-        sub_1 = add - sub
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        sub_3 = mul - sub;  mul = sub = None
-        add_1 = sub_2 + sub_3;  sub_2 = sub_3 = None
-        add_2 = float_2 + add_1;  float_2 = add_1 = None
-        abs_1 = add.abs()
+        add = float_2 + mul;  float_2 = mul = None
+        add_1 = float_1 + add
+        mul_1 = add_1 * 65536.0
+        add_2 = mul_1 + add_1;  mul_1 = None
+        sub = add_2 - add_1
+        sub_1 = add_2 - sub;  add_2 = sub = None
+        abs_1 = sub_1.abs()
         lt = abs_1 < inf;  abs_1 = None
-        add_3 = add + add_2
-        view = add_3.view(torch.int32);  add_3 = None
-        rshift = view >> 16
-        and_ = rshift & 1;  rshift = None
-        add_4 = view + and_;  view = and_ = None
-        add_5 = add_4 + 32767;  add_4 = None
-        and__1 = add_5 & -65536;  add_5 = None
-        view_1 = and__1.view(torch.float32);  and__1 = None
-        where = torch.where(lt, view_1, add);  lt = view_1 = None
-        abs_2 = where.abs()
-        lt_1 = abs_2 < inf;  abs_2 = None
-        sub_4 = add - where;  add = None
-        add_6 = sub_4 + add_2;  sub_4 = add_2 = None
-        view_2 = add_6.view(torch.int32);  add_6 = None
-        rshift_1 = view_2 >> 16
-        and__2 = rshift_1 & 1;  rshift_1 = None
-        add_7 = view_2 + and__2;  view_2 = and__2 = None
-        add_8 = add_7 + 32767;  add_7 = None
-        and__3 = add_8 & -65536;  add_8 = None
-        view_3 = and__3.view(torch.float32);  and__3 = None
-        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
-        to = where.to(torch.bfloat16);  where = None
-        to_1 = where_1.to(torch.bfloat16);  where_1 = None
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        add_3 = sub_2 + add;  sub_2 = add = None
+        to = add_1.to(torch.bfloat16);  add_1 = None
+        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
+        to_1 = where.to(torch.bfloat16);  where = None
         copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
         copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
         return ()""",
@@ -172,50 +134,25 @@ class GraphModule(torch.nn.Module):
         denom: "bf16[2, 3]" = truediv_1.add_(truediv_2);  truediv_1 = truediv_2 = None
         float_1 = x.float()
         float_2 = collage_lo_x.float()
-        mul_2 = float_1 * 0.9999899864196777
-        mul_3 = float_1 * 1.0
-        sub = mul_3 - mul_2;  mul_3 = None
-        mul_4 = float_1 * -1.0013580322265625e-05
-        add = sub + mul_4;  sub = mul_4 = None
-        mul_5 = float_1 * 1.358032264420217e-08;  float_1 = None
-        mul_6 = float_2 * 0.9999899864196777;  float_2 = None
-        add_1 = mul_5 + mul_6;  mul_5 = mul_6 = None
-        add_2 = add + add_1;  add = add_1 = None
+        mul_2 = float_2 * 0.9999899864196777;  float_2 = None
+        mul_3 = float_1 * -9.999999747378752e-06
+        add = mul_2 + mul_3;  mul_2 = mul_3 = None
         float_3 = exp_avg.float();  exp_avg = None
         float_4 = denom.float();  denom = None
         truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_3 = mul_2 + truediv
-        sub_1 = add_3 - mul_2
-        sub_2 = add_3 - sub_1
-        sub_3 = mul_2 - sub_2;  mul_2 = sub_2 = None
-        sub_4 = truediv - sub_1;  truediv = sub_1 = None
-        add_4 = sub_3 + sub_4;  sub_3 = sub_4 = None
-        add_5 = add_2 + add_4;  add_2 = add_4 = None
-        abs_1 = add_3.abs()
+        add_1 = add + truediv;  add = truediv = None
+        add_2 = float_1 + add_1
+        mul_4 = add_2 * 65536.0
+        add_3 = mul_4 + add_2;  mul_4 = None
+        sub = add_3 - add_2
+        sub_1 = add_3 - sub;  add_3 = sub = None
+        abs_1 = sub_1.abs()
         lt = abs_1 < inf;  abs_1 = None
-        add_6 = add_3 + add_5
-        view = add_6.view(torch.int32);  add_6 = None
-        rshift = view >> 16
-        and_ = rshift & 1;  rshift = None
-        add_7 = view + and_;  view = and_ = None
-        add_8 = add_7 + 32767;  add_7 = None
-        and__1 = add_8 & -65536;  add_8 = None
-        view_1 = and__1.view(torch.float32);  and__1 = None
-        where = torch.where(lt, view_1, add_3);  lt = view_1 = None
-        abs_2 = where.abs()
-        lt_1 = abs_2 < inf;  abs_2 = None
-        sub_5 = add_3 - where;  add_3 = None
-        add_9 = sub_5 + add_5;  sub_5 = add_5 = None
-        view_2 = add_9.view(torch.int32);  add_9 = None
-        rshift_1 = view_2 >> 16
-        and__2 = rshift_1 & 1;  rshift_1 = None
-        add_10 = view_2 + and__2;  view_2 = and__2 = None
-        add_11 = add_10 + 32767;  add_10 = None
-        and__3 = add_11 & -65536;  add_11 = None
-        view_3 = and__3.view(torch.float32);  and__3 = None
-        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
-        to = where.to(torch.bfloat16);  where = None
-        to_1 = where_1.to(torch.bfloat16);  where_1 = None
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        add_4 = sub_2 + add_1;  sub_2 = add_1 = None
+        to = add_2.to(torch.bfloat16);  add_2 = None
+        where = torch.where(lt, add_4, 0.0);  lt = add_4 = None
+        to_1 = where.to(torch.bfloat16);  where = None
         copy__1 = x.copy_(to);  x = to = copy__1 = None
         copy__2 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__2 = None
         return ()""",
@@ -258,50 +195,25 @@ class GraphModule(torch.nn.Module):
         _foreach_div__2 = torch._foreach_div_((getitem_14,), (getitem_6,));  getitem_6 = _foreach_div__2 = None
         float_1 = self___param_groups_0__params___0.float()
         float_2 = collage_lo_self___param_groups_0__params___0.float()
-        mul = float_1 * 0.9999899864196777
-        mul_1 = float_1 * 1.0
-        sub = mul_1 - mul;  mul_1 = None
-        mul_2 = float_1 * -1.0013580322265625e-05
-        add = sub + mul_2;  sub = mul_2 = None
-        mul_3 = float_1 * 1.358032264420217e-08;  float_1 = None
-        mul_4 = float_2 * 0.9999899864196777;  float_2 = None
-        add_1 = mul_3 + mul_4;  mul_3 = mul_4 = None
-        add_2 = add + add_1;  add = add_1 = None
+        mul = float_2 * 0.9999899864196777;  float_2 = None
+        mul_1 = float_1 * -9.999999747378752e-06
+        add = mul + mul_1;  mul = mul_1 = None
         float_3 = self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1.float();  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1 = None
         float_4 = getitem_14.float();  getitem_14 = None
         truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_3 = mul + truediv
-        sub_1 = add_3 - mul
-        sub_2 = add_3 - sub_1
-        sub_3 = mul - sub_2;  mul = sub_2 = None
-        sub_4 = truediv - sub_1;  truediv = sub_1 = None
-        add_4 = sub_3 + sub_4;  sub_3 = sub_4 = None
-        add_5 = add_2 + add_4;  add_2 = add_4 = None
-        abs_1 = add_3.abs()
+        add_1 = add + truediv;  add = truediv = None
+        add_2 = float_1 + add_1
+        mul_2 = add_2 * 65536.0
+        add_3 = mul_2 + add_2;  mul_2 = None
+        sub = add_3 - add_2
+        sub_1 = add_3 - sub;  add_3 = sub = None
+        abs_1 = sub_1.abs()
         lt = abs_1 < inf;  abs_1 = None
-        add_6 = add_3 + add_5
-        view = add_6.view(torch.int32);  add_6 = None
-        rshift = view >> 16
-        and_ = rshift & 1;  rshift = None
-        add_7 = view + and_;  view = and_ = None
-        add_8 = add_7 + 32767;  add_7 = None
-        and__1 = add_8 & -65536;  add_8 = None
-        view_1 = and__1.view(torch.float32);  and__1 = None
-        where = torch.where(lt, view_1, add_3);  lt = view_1 = None
-        abs_2 = where.abs()
-        lt_1 = abs_2 < inf;  abs_2 = None
-        sub_5 = add_3 - where;  add_3 = None
-        add_9 = sub_5 + add_5;  sub_5 = add_5 = None
-        view_2 = add_9.view(torch.int32);  add_9 = None
-        rshift_1 = view_2 >> 16
-        and__2 = rshift_1 & 1;  rshift_1 = None
-        add_10 = view_2 + and__2;  view_2 = and__2 = None
-        add_11 = add_10 + 32767;  add_10 = None
-        and__3 = add_11 & -65536;  add_11 = None
-        view_3 = and__3.view(torch.float32);  and__3 = None
-        where_1 = torch.where(lt_1, view_3, 0.0);  lt_1 = view_3 = None
-        to = where.to(torch.bfloat16);  where = None
-        to_1 = where_1.to(torch.bfloat16);  where_1 = None
+        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
+        add_4 = sub_2 + add_1;  sub_2 = add_1 = None
+        to = add_2.to(torch.bfloat16);  add_2 = None
+        where = torch.where(lt, add_4, 0.0);  lt = add_4 = None
+        to_1 = where.to(torch.bfloat16);  where = None
         copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
         copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
         return ()""",
