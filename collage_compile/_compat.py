@@ -133,9 +133,8 @@ def scalar_prologue_patch() -> dict[str, Any]:
     Inductor's own ``realize_opcount_threshold`` is left alone: materializing the chain's
     shared values (threshold 8) also leaves loop bodies without a low-precision load,
     and one such body makes the C++ backend tile the whole loop 16 lanes wide instead of
-    32 (``TilingSelect.select_tiling``).  Measured on 2.13 CPU, AdamW foreach on one 4M bf16
-    tensor, 1 thread, interleaved: plus 1.26x plain bf16's step time at the default, 2.71x
-    at 8 (its loop ran 16 lanes wide); light 0.83x at 8, within noise of the default.
+    32 (``TilingSelect.select_tiling``); on 2.13 CPU the plus AdamW step then ran 16 lanes
+    wide and markedly slower (README "Speed" has the measured light steps).
     """
     return {"post_grad_custom_post_pass": realize_scalars_pass()}
 

@@ -161,7 +161,7 @@ def split_round(x: Any, dtype: torch.dtype) -> Any:
     Veltkamp split, four fp32 operations and no branch.
 
     Equal to :func:`round_to` wherever ``dtype`` has a normal number of that size (bf16:
-    ``2^-126 <= |x| < 2^111``; checked on 11 million values, ties included).  Below, it
+    ``2^-126 <= |x| < 2^111``; ``tests/test_mcf.py`` checks it, ties included).  Below, it
     keeps more bits than a subnormal holds; from 2^111 (``x * 2^16`` overflows), and for
     inf and NaN, it returns NaN.  ``x * 2^16`` is exact, so FMA contraction cannot change
     ``c``, and nothing else is a product.

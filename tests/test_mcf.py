@@ -382,3 +382,14 @@ def test_division_by_a_tensor_is_carried_by_the_pair(hl, ds, dtype, arithmetic):
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     for g, x, hv in zip(got, exact, h2.double().tolist()):
         assert abs(float(g - x)) <= 2.0**-5 * _ulp(hv, dtype) + tiny
+
+
+def test_split_round_equals_a_cast_on_normal_bf16_values_ties_included():
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (1_000_000,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    ties = (torch.randint(0, 2**15, (200_000,), generator=g) * 65536 + 0x8000).to(torch.int32)
+    x = torch.cat([x, -x, ties.view(torch.float32), -ties.view(torch.float32)])
+    x = x[(x.abs() >= 2.0**-126) & (x.abs() < 2.0**111)]
+    assert x.numel() > 1_500_000
+    assert torch.equal(mcf.split_round(x, torch.bfloat16), x.to(torch.bfloat16).float())
