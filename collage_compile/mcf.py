@@ -295,7 +295,7 @@ def dw_to_pair(s: Any, e: Any, dtype: torch.dtype, *, stored: bool = False) -> t
     bf16 is rounded with :func:`split_round` (fp32 arithmetic only: in a C++ kernel 32
     lanes wide, Inductor moves every value through a bitcast one element at a time, which
     made :func:`round_to` the slowest part of the step).  Below bf16's smallest normal,
-    2^-126, it keeps more bits than a subnormal holds, so there hi + lo is exact to 2^-134
+    2^-126, it keeps more bits than a subnormal holds, so there hi + lo is exact to 2^-133
     rather than to the last bit; from 2^111 up the pair is rounded as plain bf16 (lo 0).
     """
     t = s + e
