@@ -290,3 +290,91 @@ def reset_dynamo() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def trace_to_inductor_aten(gm: fx.GraphModule, examples: Sequence[torch.Tensor]) -> Any:
+    """``gm`` traced to aten ops with Inductor's decompositions, on fake inputs shaped like
+    ``examples``; None unless every op is functional and Inductor lowers it itself (no
+    fallback kernel), which is what lets :func:`register_inline_lowering` fuse it."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import fallbacks, lowerings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in examples
+        ]
+        try:
+            aten = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
+        except Exception:
+            return None
+    for node in aten.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function" or not is_op_overload(node.target):
+            return None
+        if node.target not in lowerings or node.target in fallbacks:
+            return None
+        if written_schema_args(node.target) or node.target._schema.is_mutable:
+            return None
+    return aten
+
+
+def register_inline_lowering(op: Any, graph_of: Callable[[str], fx.GraphModule]) -> None:
+    """Lower ``op(key, inputs)`` by running the aten graph ``graph_of(key)`` through
+    Inductor's own lowerings, as ``GraphLowering.run_node`` would run those nodes inline
+    (a value read by several nodes may be materialized, ``mark_reuse``; so may one that
+    reads too many buffers, checked where a value is shared or returned), so the result
+    fuses with its neighbours."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings, register_lowering
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(key: str, inputs: list[Any]) -> list[Any]:
+        gm = graph_of(key)
+        env: dict[fx.Node, Any] = {}
+        it = iter(inputs)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "output":
+                return [env[n] for n in node.args[0]]
+            else:
+                args = fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                out = lowerings[node.target](*args, **kwargs)
+                # a value read once is inlined into its reader, whose own check covers it
+                # (checking every node re-traces the growing expression each time)
+                shared = len(node.users) > 1 or any(u.op == "output" for u in node.users)
+                if isinstance(out, ir.TensorBox) and shared:
+                    if len(node.users) > 1:
+                        out.mark_reuse(len(node.users))
+                    if out.has_exceeded_max_reads():
+                        out.realize_hint()
+                env[node] = out
+        raise AssertionError("an aten graph without an output")
+
+
+def fake_mode_of_tensor(t: torch.Tensor) -> Any:
+    """A context in which new tensors are made like ``t``: its fake mode, if it is fake."""
+    import contextlib
+
+    return t.fake_mode if is_fake(t) else contextlib.nullcontext()
+
+
+def output_meta(
+    gm: fx.GraphModule, examples: Sequence[torch.Tensor]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """(shape, stride, dtype) of each output of ``gm`` run on fake tensors like ``examples``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fakes = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in examples
+        ]
+        outs = gm(*fakes)
+    return [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]

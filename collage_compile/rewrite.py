@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, mcf, state
+from collage_compile import _compat, fuse, mcf, state
 from collage_compile.accumulators import (
     _PER_ELEMENT_SCALAR_TENSOR,
     VIEW_METHODS,
@@ -450,8 +450,12 @@ def emit(
     unsupported: list[Write],
     arithmetic: str,
     metrics: bool = False,
+    outline: bool = True,
 ) -> list[tuple[Accumulator, Any]]:
     """Write each chain's MCF code into the graph and remove the writes it replaces.
+
+    With ``outline``, each chain becomes one ``collage::chain`` node (:mod:`collage_compile.fuse`)
+    where that is safe; the arithmetic is the same either way.
 
     With ``metrics``, a parameter's chain also computes ``metrics.step_sums`` from the
     values it has at hand; returns [(accumulator, sums node)]."""
@@ -461,6 +465,7 @@ def emit(
     em = _Emitter(graph)
     measured: list[tuple[Accumulator, Any]] = []
     used_until = last_pair_uses(info, chains)
+    grad_enabled = _grad_mode_at(graph)
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
@@ -484,6 +489,13 @@ def emit(
                 measured.append((acc, sums.node))
             hi.copy_(new_hi)
             lo.copy_(new_lo)
+        if not measure and outline:
+            region = []
+            node = first_new.next
+            while node.target != "copy_":
+                region.append(node)
+                node = node.next
+            fuse.outline(graph, region, [new_hi.node, new_lo.node], grad_enabled[last])
         # tag the chain's nodes (what a compact printout of the graph folds into one line)
         summary = _describe_chain(chain)
         node = first_new.next
@@ -500,6 +512,17 @@ def emit(
     return measured
 
 
+def _grad_mode_at(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Whether grad mode is on at each node (Dynamo keeps ``torch._C._set_grad_enabled``
+    calls in the graph; the backend is called in the mode the graph starts in)."""
+    mode, out = torch.is_grad_enabled(), {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            mode = bool(node.args[0])
+        out[node] = mode
+    return out
+
+
 def emit_measurements(
     gm: fx.GraphModule, info: GraphInfo, chains: list[Chain]
 ) -> list[tuple[Accumulator, Any]]:
@@ -513,7 +536,7 @@ def emit_measurements(
     graph = gm.graph
     em = _Emitter(graph)
     measured: list[tuple[Accumulator, Any]] = []
-    used_until = last_pair_uses(info, chains)
+    last_pair_uses(info, chains)
     for chain in chains:
         acc = chain.acc
         if acc.role != "param":

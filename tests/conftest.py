@@ -88,6 +88,26 @@ def compact_graph(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
+def readable_with_chains(gm: torch.fx.GraphModule) -> str:
+    """``gm`` printed, each ``collage::chain`` key numbered in order of appearance and the
+    aten arithmetic behind it printed after the graph (what Inductor lowers inline)."""
+    from collage_compile import fuse
+
+    def readable(m):
+        return m.print_readable(print_output=False, include_stride=False, include_device=False)
+
+    text = readable(gm)
+    keys = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.collage.chain.default and node.args[0] not in keys:
+            keys.append(node.args[0])
+    for i, key in enumerate(keys):
+        text = text.replace(repr(key), f"'chain_{i}'")
+        body = readable(fuse.chain_graph(key)).split("\n", 1)[1]
+        text += f"\nclass chain_{i}(torch.nn.Module):\n{body}"
+    return text
+
+
 class GraphCapture:
     """Records the graph module the backend hands to Inductor (after the rewrite)."""
 
@@ -97,9 +117,7 @@ class GraphCapture:
         original = _compat.compile_with_inductor
 
         def spy(gm, example_inputs, config_patches=None):
-            self.graphs.append(
-                gm.print_readable(print_output=False, include_stride=False, include_device=False)
-            )
+            self.graphs.append(readable_with_chains(gm))
             self.compact.append(compact_graph(gm))
             return original(gm, example_inputs, config_patches)
 

@@ -1,6 +1,7 @@
 """Snapshots of the rewritten graphs (the graph handed to Inductor), pinned with expecttest.
 
-Tiny fixed shapes, CPU, ``dynamic=False``, a fresh Dynamo per test.  Refresh after an
+Each ``collage::chain`` node's arithmetic (``collage_compile.fuse``) is printed after the graph as
+the aten graph Inductor lowers inline.  Tiny fixed shapes, CPU, ``dynamic=False``, a fresh Dynamo per test.  Refresh after an
 intended change with ``EXPECTTEST_ACCEPT=1 pytest tests/test_snapshots.py`` and review the
 diff: it shows exactly which arithmetic the rewrite now emits.  The graphs are the ones
 Dynamo produces on torch 2.13; other versions trace optimizers differently.
@@ -49,26 +50,33 @@ class GraphModule(torch.nn.Module):
     def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_x: "bf16[2, 3]"):
         l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
         x: "bf16[2, 3]" = self.self___param_groups_0__params___0
-        float_1 = x.float()
-        float_2 = collage_lo_x.float()
-        float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
-        mul = float_3 * -0.001;  float_3 = None
-        add = float_2 + mul;  float_2 = mul = None
-        add_1 = float_1 + add
-        mul_1 = add_1 * 65536.0
-        add_2 = mul_1 + add_1;  mul_1 = None
-        sub = add_2 - add_1
-        sub_1 = add_2 - sub;  add_2 = sub = None
-        abs_1 = sub_1.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        add_3 = sub_2 + add;  sub_2 = add = None
-        to = add_1.to(torch.bfloat16);  add_1 = None
-        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
-        to_1 = where.to(torch.bfloat16);  where = None
-        copy_ = x.copy_(to);  x = to = copy_ = None
-        copy__1 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__1 = None
-        return ()""",
+        chain_default = torch.ops.collage.chain.default('chain_0', [x, collage_lo_x, l_self_param_groups_0_params_0_grad]);  l_self_param_groups_0_params_0_grad = None
+        getitem: "bf16[2, 3]" = chain_default[0]
+        getitem_1: "bf16[2, 3]" = chain_default[1];  chain_default = None
+        copy_ = x.copy_(getitem);  x = getitem = copy_ = None
+        copy__1 = collage_lo_x.copy_(getitem_1);  collage_lo_x = getitem_1 = copy__1 = None
+        return ()
+class chain_0(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]"):
+        convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
+        convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type_1, mul);  convert_element_type_1 = mul = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add)
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, add_1);  mul_1 = None
+        sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, add_1)
+        sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, sub);  add_2 = sub = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add);  sub_2 = add = None
+        convert_element_type_3: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_1, torch.bfloat16);  add_1 = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor);  lt = add_3 = scalar_tensor = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        return (convert_element_type_3, convert_element_type_4)""",
         )
 
     def test_sgd_foreach(self):
@@ -79,26 +87,33 @@ class GraphModule(torch.nn.Module):
     def forward(self, L_self_param_groups_0_params_0_grad: "bf16[2, 3]", collage_lo_self___param_groups_0__params___0: "bf16[2, 3]"):
         l_self_param_groups_0_params_0_grad = L_self_param_groups_0_params_0_grad
         self___param_groups_0__params___0: "bf16[2, 3]" = self.self___param_groups_0__params___0
-        float_1 = self___param_groups_0__params___0.float()
-        float_2 = collage_lo_self___param_groups_0__params___0.float()
-        float_3 = l_self_param_groups_0_params_0_grad.float();  l_self_param_groups_0_params_0_grad = None
-        mul = float_3 * -0.001;  float_3 = None
-        add = float_2 + mul;  float_2 = mul = None
-        add_1 = float_1 + add
-        mul_1 = add_1 * 65536.0
-        add_2 = mul_1 + add_1;  mul_1 = None
-        sub = add_2 - add_1
-        sub_1 = add_2 - sub;  add_2 = sub = None
-        abs_1 = sub_1.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        add_3 = sub_2 + add;  sub_2 = add = None
-        to = add_1.to(torch.bfloat16);  add_1 = None
-        where = torch.where(lt, add_3, 0.0);  lt = add_3 = None
-        to_1 = where.to(torch.bfloat16);  where = None
-        copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
-        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
-        return ()""",
+        chain_default = torch.ops.collage.chain.default('chain_0', [self___param_groups_0__params___0, collage_lo_self___param_groups_0__params___0, l_self_param_groups_0_params_0_grad]);  l_self_param_groups_0_params_0_grad = None
+        getitem: "bf16[2, 3]" = chain_default[0]
+        getitem_1: "bf16[2, 3]" = chain_default[1];  chain_default = None
+        copy_ = self___param_groups_0__params___0.copy_(getitem);  self___param_groups_0__params___0 = getitem = copy_ = None
+        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(getitem_1);  collage_lo_self___param_groups_0__params___0 = getitem_1 = copy__1 = None
+        return ()
+class chain_0(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]"):
+        convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
+        convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type_1, mul);  convert_element_type_1 = mul = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add)
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, add_1);  mul_1 = None
+        sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, add_1)
+        sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, sub);  add_2 = sub = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add);  sub_2 = add = None
+        convert_element_type_3: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_1, torch.bfloat16);  add_1 = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor);  lt = add_3 = scalar_tensor = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        return (convert_element_type_3, convert_element_type_4)""",
         )
 
     def test_adamw_single_tensor(self):
@@ -132,30 +147,37 @@ class GraphModule(torch.nn.Module):
         truediv_1: "bf16[2, 3]" = sqrt_1 / mul_1;  sqrt_1 = mul_1 = None
         truediv_2: "f32[]" = 1e-08 / step_size_neg;  step_size_neg = None
         denom: "bf16[2, 3]" = truediv_1.add_(truediv_2);  truediv_1 = truediv_2 = None
-        float_1 = x.float()
-        float_2 = collage_lo_x.float()
-        mul_2 = float_2 * 0.9999899864196777;  float_2 = None
-        mul_3 = float_1 * -9.999999747378752e-06
-        add = mul_2 + mul_3;  mul_2 = mul_3 = None
-        float_3 = exp_avg.float();  exp_avg = None
-        float_4 = denom.float();  denom = None
-        truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_1 = add + truediv;  add = truediv = None
-        add_2 = float_1 + add_1
-        mul_4 = add_2 * 65536.0
-        add_3 = mul_4 + add_2;  mul_4 = None
-        sub = add_3 - add_2
-        sub_1 = add_3 - sub;  add_3 = sub = None
-        abs_1 = sub_1.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        add_4 = sub_2 + add_1;  sub_2 = add_1 = None
-        to = add_2.to(torch.bfloat16);  add_2 = None
-        where = torch.where(lt, add_4, 0.0);  lt = add_4 = None
-        to_1 = where.to(torch.bfloat16);  where = None
-        copy__1 = x.copy_(to);  x = to = copy__1 = None
-        copy__2 = collage_lo_x.copy_(to_1);  collage_lo_x = to_1 = copy__2 = None
-        return ()""",
+        chain_default = torch.ops.collage.chain.default('chain_0', [x, collage_lo_x, exp_avg, denom]);  exp_avg = denom = None
+        getitem: "bf16[2, 3]" = chain_default[0]
+        getitem_1: "bf16[2, 3]" = chain_default[1];  chain_default = None
+        copy__1 = x.copy_(getitem);  x = getitem = copy__1 = None
+        copy__2 = collage_lo_x.copy_(getitem_1);  collage_lo_x = getitem_1 = copy__2 = None
+        return ()
+class chain_0(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]", arg3_1: "bf16[2, 3]"):
+        convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
+        convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_1, 0.9999899864196777);  convert_element_type_1 = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+        convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
+        convert_element_type_3: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg3_1, torch.float32);  arg3_1 = None
+        div: "f32[2, 3]" = torch.ops.aten.div.Tensor(convert_element_type_2, convert_element_type_3);  convert_element_type_2 = convert_element_type_3 = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, div);  add = div = None
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add_1)
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_2);  mul_2 = None
+        sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, add_2)
+        sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, sub);  add_3 = sub = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
+        add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add_1);  sub_2 = add_1 = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_2, torch.bfloat16);  add_2 = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor);  lt = add_4 = scalar_tensor = None
+        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        return (convert_element_type_4, convert_element_type_5)""",
         )
 
     def test_adamw_foreach(self):
@@ -193,28 +215,35 @@ class GraphModule(torch.nn.Module):
         _foreach_div__1 = torch._foreach_div_((getitem_14,), (getitem_7,));  getitem_7 = _foreach_div__1 = None
         _foreach_add__1 = torch._foreach_add_((getitem_14,), 1e-08);  _foreach_add__1 = None
         _foreach_div__2 = torch._foreach_div_((getitem_14,), (getitem_6,));  getitem_6 = _foreach_div__2 = None
-        float_1 = self___param_groups_0__params___0.float()
-        float_2 = collage_lo_self___param_groups_0__params___0.float()
-        mul = float_2 * 0.9999899864196777;  float_2 = None
-        mul_1 = float_1 * -9.999999747378752e-06
-        add = mul + mul_1;  mul = mul_1 = None
-        float_3 = self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1.float();  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1 = None
-        float_4 = getitem_14.float();  getitem_14 = None
-        truediv = float_3 / float_4;  float_3 = float_4 = None
-        add_1 = add + truediv;  add = truediv = None
-        add_2 = float_1 + add_1
-        mul_2 = add_2 * 65536.0
-        add_3 = mul_2 + add_2;  mul_2 = None
-        sub = add_3 - add_2
-        sub_1 = add_3 - sub;  add_3 = sub = None
-        abs_1 = sub_1.abs()
-        lt = abs_1 < inf;  abs_1 = None
-        sub_2 = float_1 - sub_1;  float_1 = sub_1 = None
-        add_4 = sub_2 + add_1;  sub_2 = add_1 = None
-        to = add_2.to(torch.bfloat16);  add_2 = None
-        where = torch.where(lt, add_4, 0.0);  lt = add_4 = None
-        to_1 = where.to(torch.bfloat16);  where = None
-        copy_ = self___param_groups_0__params___0.copy_(to);  self___param_groups_0__params___0 = to = copy_ = None
-        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(to_1);  collage_lo_self___param_groups_0__params___0 = to_1 = copy__1 = None
-        return ()""",
+        chain_default = torch.ops.collage.chain.default('chain_0', [self___param_groups_0__params___0, collage_lo_self___param_groups_0__params___0, self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1, getitem_14]);  self___state_list_dict_keys_l__self___state___0__list_dict_keys_l__self___state_list_dict_keys_l__self___state___0____1 = getitem_14 = None
+        getitem: "bf16[2, 3]" = chain_default[0]
+        getitem_15: "bf16[2, 3]" = chain_default[1];  chain_default = None
+        copy_ = self___param_groups_0__params___0.copy_(getitem);  self___param_groups_0__params___0 = getitem = copy_ = None
+        copy__1 = collage_lo_self___param_groups_0__params___0.copy_(getitem_15);  collage_lo_self___param_groups_0__params___0 = getitem_15 = copy__1 = None
+        return ()
+class chain_0(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]", arg3_1: "bf16[2, 3]"):
+        convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
+        convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_1, 0.9999899864196777);  convert_element_type_1 = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+        convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
+        convert_element_type_3: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg3_1, torch.float32);  arg3_1 = None
+        div: "f32[2, 3]" = torch.ops.aten.div.Tensor(convert_element_type_2, convert_element_type_3);  convert_element_type_2 = convert_element_type_3 = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, div);  add = div = None
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add_1)
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_2);  mul_2 = None
+        sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, add_2)
+        sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, sub);  add_3 = sub = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
+        add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add_1);  sub_2 = add_1 = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_2, torch.bfloat16);  add_2 = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor);  lt = add_4 = scalar_tensor = None
+        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        return (convert_element_type_4, convert_element_type_5)""",
         )
