@@ -15,7 +15,7 @@ import torch
 from conftest import GraphCapture, normalize_gm
 
 import collage_compile
-from collage_compile import _compat
+from collage_compile import _compat, fuse
 
 pytestmark = pytest.mark.skipif(
     not _compat.torch_version().startswith("2.13"),
@@ -26,6 +26,9 @@ pytestmark = pytest.mark.skipif(
 class TestRewrittenGraphs(expecttest.TestCase):
     def setUp(self):
         _compat.reset_dynamo()
+        # a chain's aten trace is shared by chains of other shapes (fuse._SHAPE_FREE); the
+        # printout annotates the shapes it was traced with, so trace these tiny ones afresh
+        fuse._SHAPE_FREE.clear()
         self.monkeypatch = pytest.MonkeyPatch()
         self.capture = GraphCapture(self.monkeypatch)
 
