@@ -303,10 +303,7 @@ def trace_to_inductor_aten(gm: fx.GraphModule, examples: Sequence[torch.Tensor])
 
     mode = FakeTensorMode()
     with mode:
-        fakes = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in examples
-        ]
+        fakes = [_empty_like_strided(t) for t in examples]
         try:
             aten = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
         except Exception:
@@ -372,9 +369,10 @@ def output_meta(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        fakes = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in examples
-        ]
+        fakes = [_empty_like_strided(t) for t in examples]
         outs = gm(*fakes)
     return [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]
+
+
+def _empty_like_strided(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

@@ -5,8 +5,7 @@ the rounding into (hi, lo)).  Every later stage pays per FX node: AOTAutograd's 
 fake-tensor propagation, Inductor's post-grad passes and its per-node lowering, and, as a
 chain's intermediates read the tensors its ``copy_`` later overwrites, Inductor realizes
 each of them before the mutation (``GraphLowering.mark_buffer_mutated``), only to find
-them dead in the scheduler.  Measured cold on 2.13 CPU, a 48-tensor AdamW step compiled
-in about twice the time of plain Inductor's; the arithmetic itself was not the cost.
+them dead in the scheduler (README "Speed" has the compile times before and after).
 
 :func:`outline` replaces a chain's nodes by one call of ``collage::chain(key, inputs)``
 returning the new (hi, lo).  ``key`` names the chain's arithmetic, traced once to aten ops
@@ -142,7 +141,6 @@ def outline(
         ]
 
     _register_lowering()
-    first = region[0]
     # every input is defined before the region's last node (some, a foreach result's
     # elements, only just before the node that reads them)
     with graph.inserting_before(region[-1]):
@@ -155,11 +153,6 @@ def outline(
             _compat.set_example_value(item, ex)
             item.meta["val"] = ex
             items.append(item)
-    for meta_key in ("collage_chain", "stack_trace"):
-        if meta_key in first.meta:
-            call.meta[meta_key] = first.meta[meta_key]
-            for item in items:
-                item.meta[meta_key] = first.meta[meta_key]
     for o, item in zip(outputs, items):
         o.replace_all_uses_with(item)
     for node in reversed(region):
