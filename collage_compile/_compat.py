@@ -271,6 +271,38 @@ def run_and_keep_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, l
     return result, codes
 
 
+def run_and_count_loop_bodies(fn: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
+    """Run ``fn`` with Inductor's FX graph cache off and return (result, scheduler nodes,
+    FX nodes of their loop bodies), summed over the graphs Inductor compiled meanwhile:
+    the two sizes every stage of Inductor's code generation walks (tests pin the compile
+    cost of the rewrite with them)."""
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.scheduler import Scheduler
+
+    counts = [0, 0]
+    init = Scheduler.__init__
+
+    def counting_init(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        for fused in self.nodes:
+            for node in fused.get_nodes():
+                body = getattr(node, "_body", None)
+                if body is None:
+                    continue
+                counts[0] += 1
+                blocks = [body.root_block, *body.subblocks.values()]
+                counts[1] += sum(len(block.graph.nodes) for block in blocks)
+
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        mock.patch.object(Scheduler, "__init__", counting_init),
+    ):
+        result = fn(*args)
+    return result, counts[0], counts[1]
+
+
 def run_and_get_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
     """Run a compiled function and return (result, generated source files) (tests use it)."""
     from torch._inductor.utils import run_and_get_code
@@ -322,37 +354,241 @@ def trace_to_inductor_aten(gm: fx.GraphModule, examples: Sequence[torch.Tensor])
 
 def register_inline_lowering(op: Any, graph_of: Callable[[str], fx.GraphModule]) -> None:
     """Lower ``op(key, inputs)`` by running the aten graph ``graph_of(key)`` through
-    Inductor's own lowerings, as ``GraphLowering.run_node`` would run those nodes inline
-    (a value read by several nodes may be materialized, ``mark_reuse``; so may one that
-    reads too many buffers, checked where a value is shared or returned), so the result
-    fuses with its neighbours."""
-    from torch._inductor import ir
-    from torch._inductor.lowering import lowerings, register_lowering
+    Inductor's own lowerings, so the result fuses with its neighbours.
+
+    Each output becomes one pointwise node whose loop body computes every value of the
+    graph once (:func:`_lower_shared`).  Lowered node by node, as ``GraphLowering.run_node``
+    would, a value read by several nodes is re-traced into each reader: a Veltkamp split
+    reads its input three times and the pair's remainder reads the split twice, so the
+    loop body of a second moment's lo held its chain about ten times over (302 nodes, of
+    which the kernel keeps 85), and every stage of C++ code generation walks that body
+    several times.  A graph with a value that is not one tensor is lowered node by node.
+
+    An output that only overwrites a graph input (the pair's lo, a weight nothing else in
+    the graph reads) is computed straight into that input, as Inductor's in-place foreach
+    ops are (:func:`_write_in_place`); otherwise Inductor computes it into a buffer of its
+    own, because it reads the input it overwrites, and copies that buffer in the graph's
+    epilogue: two scheduler nodes, each paid for at every stage of the compile, where the
+    kernel has one store either way.
+    """
+    from torch._inductor.lowering import register_lowering
+    from torch._inductor.virtualized import V
 
     @register_lowering(op, type_promotion_kind=None)
     def _lower(key: str, inputs: list[Any]) -> list[Any]:
         gm = graph_of(key)
-        env: dict[fx.Node, Any] = {}
-        it = iter(inputs)
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(it)
-            elif node.op == "output":
-                return [env[n] for n in node.args[0]]
-            else:
-                args = fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-                out = lowerings[node.target](*args, **kwargs)
-                # a value read once is inlined into its reader, whose own check covers it
-                # (checking every node re-traces the growing expression each time)
-                shared = len(node.users) > 1 or any(u.op == "output" for u in node.users)
-                if isinstance(out, ir.TensorBox) and shared:
-                    if len(node.users) > 1:
-                        out.mark_reuse(len(node.users))
-                    if out.has_exceeded_max_reads():
-                        out.realize_hint()
-                env[node] = out
-        raise AssertionError("an aten graph without an output")
+        if all(
+            isinstance(n.meta.get("val"), torch.Tensor)
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+        ):
+            node = V.graph.current_node
+            return _lower_shared(gm, inputs, node if node.target is op else None)
+        return _lower_per_node(gm, inputs)
+
+
+# A value that several outputs of a chain need (the correction word ``e`` that both the
+# pair's hi and its lo are computed from) is materialized when its expression has more
+# operations than this; a materialized fp32 value read only inside the kernel that
+# computes it is a kernel-local buffer, which Inductor removes (no memory traffic).
+SHARED_VALUE_OPCOUNT = 8
+
+
+def _lower_shared(gm: fx.GraphModule, inputs: list[Any], call: fx.Node | None) -> list[Any]:
+    """Lower ``gm`` (called by the graph node ``call``) so that no loop body computes one
+    of its values twice, and write the outputs that only overwrite graph inputs in place
+    (:func:`_write_in_place`).
+
+    Every value reaches its readers' lowerings as a stand-in pointwise node whose loader
+    looks the value up in the running evaluation's table and computes it (the real
+    lowering's loader) only on a miss; the first stand-in loaded opens the table and
+    closes it when it returns.  The arithmetic is the lowerings' own, so the kernel is
+    what the node-by-node lowering generates after Inductor's common subexpression
+    elimination.
+
+    Each output is still its own pointwise node, and each loop body would compute all
+    the values the outputs share: a shared fp32 value with more than
+    :data:`SHARED_VALUE_OPCOUNT` operations is materialized instead (low-precision values
+    never are: a store would round them), where a reader of the outputs still finds a
+    low-precision load (Inductor's C++ backend vectorizes a loop whose every body is
+    fp32 only half as wide)."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.virtualized import V
+
+    table: list[dict[Any, Any] | None] = [None]
+    loaders: dict[fx.Node, Callable[..., Any]] = {}
+    env: dict[fx.Node, Any] = {}
+
+    def stand_in(node: fx.Node, value: Any) -> Any:
+        def load(index: Sequence[Any], node: fx.Node = node) -> Any:
+            memo = table[0]
+            if memo is None:  # the outermost load of this graph: its evaluation
+                table[0] = {}
+                try:
+                    return loaders[node](index)
+                finally:
+                    table[0] = None
+            key = (id(V.get_ops_handler()), node, tuple(index))
+            if key not in memo:
+                memo[key] = loaders[node](index)
+            return memo[key]
+
+        return ir.Pointwise.create(
+            device=value.get_device(),
+            dtype=value.get_dtype(),
+            inner_fn=load,
+            ranges=list(value.get_size()),
+        )
+
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    shared = _shared_frontier(gm, outputs)
+    it = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(it)
+        elif node.op == "call_function":
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            value = lowerings[node.target](*args, **kwargs)
+            loaders[node] = value.make_loader()
+            env[node] = stand_in(node, value)
+            if (
+                node in shared
+                and value.get_dtype() in (torch.float32, torch.float64)
+                and env[node].data.data.inner_fn_opcount().num_ops > SHARED_VALUE_OPCOUNT
+            ):
+                env[node].realize()
+    results = [env[node] for node in outputs]
+    written = _write_in_place(results, _epilogue_targets(call) if call is not None else {})
+    for i, out in enumerate(results):
+        if i in written:
+            results[i] = written[i]
+        elif outputs[i].op == "call_function" and out.has_exceeded_max_reads():
+            out.realize_hint()
+    return results
+
+
+def _epilogue_targets(call: fx.Node) -> dict[int, Any]:
+    """Output index -> the graph input that the graph's epilogue ``copy_`` overwrites with
+    that output of ``call`` (and nothing else reads), where no node after ``call`` reads
+    the input but that ``copy_``: ``call`` may then write it in place."""
+    import operator
+
+    from torch._inductor.virtualized import V
+
+    lowered = V.graph.env  # the nodes before this one
+    targets: dict[int, Any] = {}
+    for item in call.users:
+        if item.target is not operator.getitem or len(item.users) != 1:
+            continue
+        (copy,) = item.users
+        if copy.target is not torch.ops.aten.copy_.default or copy.args != (copy.args[0], item):
+            continue
+        dst = copy.args[0]
+        if copy.users or copy.kwargs or dst.op != "placeholder":
+            continue
+        if any(u not in lowered for u in dst.users if u is not copy and u is not call):
+            continue
+        targets[item.args[1]] = V.graph.env[dst]
+    return targets
+
+
+def _write_in_place(results: list[Any], targets: dict[int, Any]) -> dict[int, Any]:
+    """Compute each output in ``targets`` directly into its graph input (one loop body
+    that stores to the input, as Inductor's in-place foreach ops do) instead of into a
+    buffer that the epilogue ``copy_`` copies; returns the outputs so written, each now
+    standing for its input (the epilogue's ``copy_(input, input)`` is then nothing).
+
+    An input is overwritten only once every other output that reads its old value is
+    computed: a returned output that reads one is materialized first, and where two
+    outputs read each other's input one is left to the epilogue."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import mutate_to
+
+    def computable_into(out: Any, dst: Any) -> bool:
+        # a value of its own, not yet materialized, exactly the input's dtype and shape
+        return (
+            isinstance(out, ir.TensorBox)
+            and isinstance(out.data, ir.StorageBox)
+            and not ir.IRNode.is_realized_node(out.data.data)
+            and sum(o is out for o in results) == 1
+            and dst.get_dtype() == out.get_dtype()
+            and dst.get_device() == out.get_device()
+            and list(dst.get_size()) == list(out.get_size())
+        )
+
+    pending = {i: dst for i, dst in targets.items() if computable_into(results[i], dst)}
+    names = {dst.get_name() for dst in pending.values()}
+    reads = {i: set(out.get_read_names()) for i, out in enumerate(results)}
+    for i, out in enumerate(results):
+        if i not in pending and reads[i] & names:
+            out.realize()
+    written: dict[int, Any] = {}
+    while pending:
+        ready = [
+            i
+            for i, dst in pending.items()
+            if not any(dst.get_name() in reads[j] for j in pending if j != i)
+        ]
+        if not ready:  # each reads another's input: the epilogue copies this one
+            i = min(pending)
+            results[i].realize()
+            del pending[i]
+            continue
+        i = ready[0]
+        dst = pending.pop(i)
+        mutate_to(dst, results[i], unsafe_alias=True)
+        written[i] = dst
+    return written
+
+
+def _shared_frontier(gm: fx.GraphModule, outputs: list[fx.Node]) -> set[fx.Node]:
+    """The values that more than one output is computed from and that some value used
+    by fewer outputs reads (the last values the outputs have in common)."""
+    reach: dict[fx.Node, set[int]] = {}
+    for node in reversed(gm.graph.nodes):
+        r = {i for i, o in enumerate(outputs) if o is node}
+        for user in node.users:
+            r |= reach.get(user, set())
+        reach[node] = r
+    return {
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and len(reach[n]) > 1
+        and any(len(reach[u]) < len(reach[n]) for u in n.users if u.op != "output")
+    }
+
+
+def _lower_per_node(gm: fx.GraphModule, inputs: list[Any]) -> list[Any]:
+    """Run ``gm``'s nodes through Inductor's lowerings one by one (a value read by several
+    nodes may be materialized, ``mark_reuse``; so may one that reads too many buffers,
+    checked where a value is shared or returned)."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings
+
+    env: dict[fx.Node, Any] = {}
+    it = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(it)
+        elif node.op == "output":
+            return [env[n] for n in node.args[0]]
+        else:
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            out = lowerings[node.target](*args, **kwargs)
+            # a value read once is inlined into its reader, whose own check covers it
+            # (checking every node re-traces the growing expression each time)
+            shared = len(node.users) > 1 or any(u.op == "output" for u in node.users)
+            if isinstance(out, ir.TensorBox) and shared:
+                if len(node.users) > 1:
+                    out.mark_reuse(len(node.users))
+                if out.has_exceeded_max_reads():
+                    out.realize_hint()
+            env[node] = out
+    raise AssertionError("an aten graph without an output")
 
 
 def fake_mode_of_tensor(t: torch.Tensor) -> Any:

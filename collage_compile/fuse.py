@@ -11,7 +11,10 @@ them dead in the scheduler (README "Speed" has the compile times before and afte
 returning the new (hi, lo).  ``key`` names the chain's arithmetic, traced once to aten ops
 (with Inductor's decompositions) and kept in :data:`_GRAPHS`; Inductor lowers the call by
 running that aten graph through its own lowerings (:func:`_compat.register_inline_lowering`),
-so the kernel computes exactly what the inline nodes computed and fuses as before.  The key
+so the kernel computes exactly what the inline nodes computed and fuses as before; the
+lowering computes each of the chain's values once per loop body (the split and the
+remainder read them several times) and writes an output that only overwrites its tensor
+straight into it, where Inductor would compute it into a buffer and copy that.  The key
 is a hash of the arithmetic and the inputs' metadata, so a cached kernel (Inductor's FX
 graph cache keys on the graph, key included) always matches its arithmetic.  Eagerly (any
 other backend), the op runs the same aten graph.
