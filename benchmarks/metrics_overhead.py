@@ -28,6 +28,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 SIZES = {
     # (layers, width): a GPT block is qkv (w, 3w), proj (w, w), fc (w, 4w), fc2 (4w, w),
     # their biases and two LayerNorms
+    "tiny": (1, 32),  # the smoke test of benchmarks.step
     "small": (2, 256),
     "cpu": (4, 576),
     "gpu": (12, 1024),

@@ -41,10 +41,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-# A cold cache, so compile times are comparable between variants and between runs
-# (set before torch imports Inductor).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="collage-bench-"))
-
 import torch
 
 import collage_compile
@@ -192,33 +188,47 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
         print("skipped: optimi Kahan AdamW (torch-optimi not installed)", file=sys.stderr)
     else:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = optimi.AdamW(ps, lr=LR, weight_decay=WD, kahan_sum=True, foreach=foreach)
+        # optimi's defaults differ (betas (0.9, 0.99), eps 1e-6): the same AdamW as the others
+        opt = optimi.AdamW(
+            ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kahan_sum=True, foreach=foreach
+        )
         out.append(
             Variant(
                 "optimi Kahan",
                 opt.step,
-                lambda: [*ps, *_state_tensors(opt)],
+                lambda ps=ps, opt=opt: [*ps, *_state_tensors(opt)],
                 FLOOR_BYTES["light"],
                 compiled=False,
             )
         )
-    try:
-        from torchao.optim import AdamW as TorchaoAdamW  # type: ignore[import-not-found]
-    except ImportError:
+    TorchaoAdamW = _torchao_adamw()
+    if TorchaoAdamW is None:
         print("skipped: torchao bf16 SR AdamW (torchao not installed)", file=sys.stderr)
     else:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = TorchaoAdamW(ps, lr=LR, weight_decay=WD, bf16_stochastic_round=True)
+        opt = TorchaoAdamW(
+            ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, bf16_stochastic_round=True
+        )
         out.append(
             Variant(
                 "torchao bf16 SR",
                 opt.step,
-                lambda: [*ps, *_state_tensors(opt)],
+                lambda ps=ps, opt=opt: [*ps, *_state_tensors(opt)],
                 FLOOR_BYTES["bf16"],
                 compiled=False,  # torchao compiles its own step internally
             )
         )
     return out
+
+
+def _torchao_adamw() -> Any:
+    """torchao's full-precision-state AdamW with ``bf16_stochastic_round``: public as
+    ``torchao.optim.AdamW`` up to 0.13, renamed ``_AdamW`` since (checked on 0.18.0)."""
+    try:
+        import torchao.optim as tao  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return getattr(tao, "AdamW", None) or getattr(tao, "_AdamW", None)
 
 
 def _warm_up_inductor(device: str) -> None:
@@ -421,6 +431,10 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a bar chart (matplotlib)")
     args = ap.parse_args()
+    # A cold cache, so compile times are comparable between variants and between runs (set
+    # before the first compile starts Inductor's compile workers, which inherit it; not at
+    # import, where it would move the cache of the process that imports this module).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="collage-bench-"))
     res = run(args)
     print(format_table(res))
     if args.json:

@@ -1,0 +1,93 @@
+"""``python -m benchmarks.step`` runs end to end and counts what it claims to count.
+
+The benchmark's own numbers (times, bandwidth) are not asserted: timings never are.  What
+is asserted is what must hold on any machine: every variant ran, the persistent bytes per
+parameter it reports (measured from the tensors each variant keeps) are the ones its
+algorithm keeps, and the compiled variants' kernels were read from Inductor's code.
+optimi and torchao are installed by the test extra, so their rows are checked here too;
+that they are skipped cleanly when absent is checked without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# AdamW's state per parameter: fp32 master 4 + bf16 copy 2 + fp32 m, v 8; bf16 p, m, v 6;
+# light adds the weight's lo, plus also v's lo; optimi's Kahan buffer is a bf16 lo of its
+# own; torchao keeps bf16 p, m, v (stochastic rounding needs no buffer)
+STATE_BYTES = {
+    "fp32 master (16,32)": 14,
+    "plain bf16": 6,
+    "collage light": 8,
+    "collage plus": 10,
+    "eager Collage (ref)": 8,
+    "optimi Kahan": 8,
+    "torchao bf16 SR": 6,
+}
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
+    out = tmp_path / "step.json"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cmd = [sys.executable, "-m", "benchmarks.step", "--size", "tiny", "--device", "cpu"]
+    cmd += ["--rounds", "2", "--steps", "1", "--threads", "1", "--clock", "cpu"]
+    cmd += ["--json", str(out), "--plot", str(tmp_path / "step.png")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in res["rows"]}
+
+    expected = [
+        name
+        for name in STATE_BYTES
+        if not (name == "optimi Kahan" and not _installed("optimi"))
+        and not (name == "torchao bf16 SR" and not _installed("torchao"))
+    ]
+    assert list(rows) == expected
+    assert "collage light" in proc.stdout and "ms/step" in proc.stdout  # the table
+    assert (tmp_path / "step.png").stat().st_size > 0
+    for name, row in rows.items():
+        # (+ AdamW's 0-d step counters: 4 bytes a tensor, 0.004 B/param at this size)
+        assert row["persistent_bytes_per_param"] == pytest.approx(STATE_BYTES[name], abs=0.01), name
+        assert row["ms_per_step"] > 0 and row["peak_MB"] > 0, name
+        assert row["of_copy_bandwidth"] > 0, name
+    # the compiled steps' kernels come from Inductor's generated code; on this small list
+    # plain Inductor and both collage modes fuse the step into one kernel
+    # (the fp32 step has a second graph: the copy into the bf16 model)
+    assert rows["fp32 master (16,32)"]["kernels"] == 2
+    for name in ("plain bf16", "collage light", "collage plus"):
+        assert rows[name]["kernels"] == 1, name
+        assert rows[name]["compile_s"] > 0, name
+    assert res["params"] == sum(torch.Size(s).numel() for s in _tiny_shapes())
+
+
+def _tiny_shapes() -> list[tuple[int, ...]]:
+    from benchmarks.metrics_overhead import SIZES, layer_shapes
+
+    return layer_shapes(*SIZES["tiny"])
+
+
+def test_step_benchmark_skips_absent_alternatives_with_a_message(monkeypatch, capsys):
+    from benchmarks import step
+
+    # a None entry in sys.modules makes ``import`` raise ImportError, as when not installed
+    for name in ("optimi", "torchao", "torchao.optim"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert step._third_party(_tiny_shapes(), "cpu", foreach=True) == []
+    err = capsys.readouterr().err
+    assert "skipped: optimi Kahan AdamW" in err
+    assert "skipped: torchao bf16 SR AdamW" in err
