@@ -132,6 +132,11 @@ def test_inductor_walks_few_more_loop_bodies_than_for_plain_bf16(foreach):
     plain_nodes, plain_ops = _loop_bodies(None, foreach)
     light_nodes, light_ops = _loop_bodies("light", foreach)
     plus_nodes, plus_ops = _loop_bodies("plus", foreach)
+    print(
+        f"\nscheduler nodes / loop-body FX nodes (foreach={foreach}): plain "
+        f"{plain_nodes} / {plain_ops}, light {light_nodes} / {light_ops}, "
+        f"plus {plus_nodes} / {plus_ops}"
+    )
     # light: the weight's correction word (computed once) and its lo, and the two step
     # scalars computed once per kernel; plus adds the second moment's pair
     assert light_nodes <= plain_nodes + 3 * n_params, (light_nodes, plain_nodes)
