@@ -219,7 +219,9 @@ def _exact_error_bound(h2: torch.Tensor, l2: torch.Tensor, dtype, scale: list[fl
     for hv, lv, sv in zip(h2.double().tolist(), l2.double().tolist(), scale):
         # bf16 below 2^-126: hi is rounded to 8 bits, not to the subnormal grid (mcf.split_round)
         sub = 2.0**-133 if dtype == torch.bfloat16 else 0.0
-        out.append(0.5 * _ulp(lv, dtype) + 2.0**-22 * max(abs(lv), _ulp(hv, dtype) * 2.0**-8, sv) + sub)
+        out.append(
+            0.5 * _ulp(lv, dtype) + 2.0**-22 * max(abs(lv), _ulp(hv, dtype) * 2.0**-8, sv) + sub
+        )
     return out
 
 
