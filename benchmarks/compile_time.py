@@ -7,7 +7,8 @@ compiles one variant's step (the same parameter list and ``torch.optim.AdamW(for
 as ``benchmarks.step``), after paying Inductor's one-time process costs on a tiny function;
 the time is the first call of the compiled step (Dynamo, the rewrite, AOTAutograd, Inductor,
 the C++/Triton compiler).  Variants are interleaved round by round (these machines are
-noisy) and the median per variant is reported with its ratio to plain Inductor.
+noisy) and the median per variant is reported with its ratio to plain Inductor, and the
+median of each round's ratio to that round's plain compile.
 ``benchmarks.step`` compiles its variants one after another in one process, where each
 later compile finds the process warmer; this is the comparison the numbers in README use.
 """
@@ -78,11 +79,14 @@ def main() -> None:
         f"cold compile of the AdamW step, --size {args.size}, {args.device}, "
         f"median of {args.repeats} fresh processes each"
     )
-    print(f"{'variant':8} {'median s':>8} {'vs plain':>8}  all runs")
+    # each round's ratio to the plain compile of the same round, whose median follows the
+    # machine's slow drifts in speed less than the ratio of the medians does
+    print(f"{'variant':8} {'median s':>8} {'vs plain':>8} {'per round':>9}  all runs")
     for v in VARIANTS:
         med = statistics.median(times[v])
+        paired = statistics.median(t / p for t, p in zip(times[v], times["plain"]))
         runs = " ".join(f"{t:.1f}" for t in times[v])
-        print(f"{v:8} {med:8.1f} {med / base:8.2f}  {runs}")
+        print(f"{v:8} {med:8.1f} {med / base:8.2f} {paired:9.2f}  {runs}")
 
 
 if __name__ == "__main__":
