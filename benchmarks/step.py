@@ -222,8 +222,8 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
 
 
 def _torchao_adamw() -> Any:
-    """torchao's full-precision-state AdamW with ``bf16_stochastic_round``: public as
-    ``torchao.optim.AdamW`` up to 0.13, renamed ``_AdamW`` since (checked on 0.18.0)."""
+    """torchao's full-precision-state AdamW with ``bf16_stochastic_round``: named
+    ``torchao.optim.AdamW`` in earlier releases, ``_AdamW`` in 0.18.0 (checked here)."""
     try:
         import torchao.optim as tao  # type: ignore[import-not-found]
     except ImportError:
