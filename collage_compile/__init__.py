@@ -15,17 +15,21 @@ from typing import Any
 from collage_compile.checkpoint import attach, convert, set_value
 from collage_compile.compiler import inductor_options, make_backend
 from collage_compile.config import CollageConfig
+from collage_compile.diagnostics import CollageWarning
 from collage_compile.metrics import last_metrics, metered, reset_metrics
 from collage_compile.names import name_tensors
-from collage_compile.report import CollageWarning, Explanation, explain
+from collage_compile.optim import GradScaler, compile_optimizer
+from collage_compile.report import Explanation, explain
 from collage_compile.state import components, value
 
 __all__ = [
     "CollageConfig",
     "CollageWarning",
     "Explanation",
+    "GradScaler",
     "attach",
     "backend",
+    "compile_optimizer",
     "components",
     "convert",
     "explain",
@@ -47,8 +51,8 @@ def __getattr__(name: str) -> Any:
     # (a warning hook for fused optimizers, which never reach a backend) runs when the
     # backend is asked for, never on import.
     if name == "backend":
-        from collage_compile import compiler, report
+        from collage_compile import compiler, watch
 
-        report.watch_fused_optimizers()
+        watch.install()
         return compiler.backend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

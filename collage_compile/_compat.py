@@ -17,6 +17,70 @@ import torch.fx as fx
 CHECKED_TORCH_VERSIONS = ("2.11", "2.13")
 
 
+def current_frame() -> str | None:
+    """The function Dynamo is compiling now, as its recompile-limit warning names it
+    (``'step' (/path/adam.py:214)``); None outside a Dynamo compile."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:
+        return None
+    return f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
+
+
+def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
+    """Call ``fn(optimizer)`` eagerly after every ``torch.optim`` step, compiled or not.
+
+    torch.optim's step wrapper calls ``self._optimizer_step_code()`` (an empty method, the
+    profiler's entry point) right after the step, outside any loop; ours calls ``fn``
+    through ``torch.compiler.disable`` and then the original.  A compiled step therefore
+    graph-breaks there, after its update, and runs ``fn`` eagerly; Dynamo resumes after it.
+    A global step post-hook would not do: torch.optim calls those inside a loop, where a
+    graph break makes Dynamo skip the whole wrapper frame and trace the step on its own,
+    which changes what it compiles (checked on 2.13: foreach Adam under ``dynamic=True``
+    then fails in Dynamo).  Checked on 2.11 and 2.13 (``Optimizer.profile_hook_step``)."""
+    cls = torch.optim.Optimizer
+    original = cls._optimizer_step_code
+    if getattr(original, "_collage", False):
+        return
+    eager = torch.compiler.disable(fn)
+
+    def _optimizer_step_code(self: Any) -> None:
+        eager(self)
+        original(self)
+
+    _optimizer_step_code._collage = True  # type: ignore[attr-defined]
+    _optimizer_step_code.__doc__ = original.__doc__
+    cls._optimizer_step_code = _optimizer_step_code  # type: ignore[method-assign]
+
+
+def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:
+    """Call ``callback(function, limit, value, last_reason)`` whenever Dynamo gives up
+    recompiling a function (its ``recompile_limit`` / ``accumulated_recompile_limit``
+    warning, whose format is the same on 2.11 and 2.13).  Read off the warning's log
+    record: Dynamo offers no other notice, and the record is emitted whether or not any
+    handler shows it (the logger's level is WARNING unless a user silenced it)."""
+    import logging
+
+    class _Watch(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            msg = record.msg if isinstance(record.msg, str) else ""
+            if msg.startswith("torch._dynamo hit config.%s") and len(record.args or ()) >= 4:
+                limit, value, function, reason = record.args[:4]  # type: ignore[index]
+                # the guard that failed, without its source comment and user stack
+                reason = str(reason).split("\n")[0].split("  #")[0].strip()
+                try:
+                    callback(str(function), str(limit), str(value), reason)
+                except Warning:  # warnings made errors by the user: theirs to see
+                    raise
+                except Exception:  # anything else must never break compilation
+                    pass
+            return True
+
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
+
+
 def torch_version() -> str:
     return torch.__version__.split("+")[0]
 
@@ -63,6 +127,29 @@ def scalar_hint(x: Any) -> float | None:
         hint = getattr(x.node, "hint", None)
         return float(hint) if hint is not None else None
     return None
+
+
+def fake_scalar_f64(x: Any, device: Any = None) -> Any:
+    """A fake 0-dim float64 tensor in the fake mode that made symbolic float ``x`` (the
+    example value of a node computing ``x`` as a tensor), or None."""
+    shape_env = getattr(getattr(x, "node", None), "shape_env", None)
+    if shape_env is None:
+        return None
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    mode = ctx.fake_mode if ctx is not None else None
+    if mode is None:
+        return None
+    with mode:
+        return torch.empty((), dtype=torch.float64, device=device)
+
+
+def free_symbols(x: Any) -> set[Any]:
+    """The free symbols of a SymInt/SymFloat's expression (empty for a constant)."""
+    node = getattr(x, "node", None)
+    expr = getattr(node, "expr", None)
+    return set(getattr(expr, "free_symbols", ()))
 
 
 def storage_weakref(t: torch.Tensor) -> Any:
@@ -612,3 +699,28 @@ def output_meta(
 
 def _empty_like_strided(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+@functools.cache
+def fp16_grad_scaler() -> type:
+    """``torch.amp.GradScaler`` that also unscales fp16 gradients.
+
+    torch's refuses them ("Attempting to unscale FP16 gradients"): with autocast the
+    parameters are fp32, and fp16 gradients mean a mistake.  With fp16 *parameters* (pure
+    fp16 training, collage's pairs instead of fp32 masters) fp16 gradients are the point.
+    Unscaling runs the same kernel (``_amp_foreach_non_finite_check_and_unscale_``: the
+    product in fp32, stored in fp16), so a gradient below fp16's smallest subnormal (6e-8)
+    after unscaling flushes to zero, as it would have without loss scaling.  The override is
+    of ``GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``, private
+    and the same on 2.11 and 2.13.
+    """
+
+    class GradScaler(torch.amp.GradScaler):
+        __doc__ = fp16_grad_scaler.__doc__
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    GradScaler.__module__ = "collage_compile"
+    GradScaler.__qualname__ = "GradScaler"
+    return GradScaler

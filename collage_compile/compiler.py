@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, report, state
+from collage_compile import _compat, names, report, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row
@@ -40,7 +40,7 @@ def make_backend(**options: Any) -> Callable[..., Any]:
     """A backend for ``torch.compile(fn, backend=...)`` with the given options
     (see :class:`collage_compile.config.CollageConfig`)."""
     config = CollageConfig.from_options(options)
-    report.watch_fused_optimizers()
+    watch.install()
 
     def collage_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return compile_graph(gm, example_inputs, config)
@@ -59,7 +59,7 @@ def __getattr__(name: str) -> Any:
     # The "collage" entry point loads ``_registered_backend`` when torch.compile first asks
     # for it: that, not the import, is when the once-only set-up runs.
     if name == "_registered_backend":
-        report.watch_fused_optimizers()
+        watch.install()
         return _collage_registered
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -97,7 +97,7 @@ def compile_graph(
     """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor."""
     from collage_compile import modes, passes, rewrite
 
-    report.watch_fused_optimizers()
+    watch.install()
     names.learn(gm, list(example_inputs))
     original = gm
     gm = _compat.copy_graph_module(gm)
@@ -119,6 +119,13 @@ def compile_graph(
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
     upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
+    watch.compiled_frame(
+        _compat.current_frame(),
+        [
+            (names.display(a.real, a.name), id(a.real) if a.real is not None else None)
+            for a in upgraded
+        ],
+    )
     # Tensors this graph writes without a chain: an unsupported write to a tensor with no
     # chain here, or a write to a tensor passed in that is not upgraded (it may be p.data
     # of a parameter carrying a pair).  Any pair on their memory no longer matches its hi:
@@ -134,17 +141,22 @@ def compile_graph(
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
+        if info.accumulators and any(passes.finalize(gm).values()):
+            gm.recompile()
+            original = gm
         compiled = _compat.compile_with_inductor(original, example_inputs)
         return _LoInputs(compiled, [], unchained) if unchained else compiled
 
     # tensors carrying a pair that a chain reads whole (an EMA's parameter) pass their lo in
     # too, after the upgraded ones
-    with_lo = upgraded + rewrite.pair_readers(info, chains)
+    readers = rewrite.pair_readers(info, chains)
+    with_lo = upgraded + readers
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, with_lo, fake_mode)
     measured = rewrite.emit(gm, info, chains, unsupported, config.arithmetic, config.metrics)
     if measured:
         rewrite.add_metrics_output(gm, measured)
+    passes.finalize(gm)
     gm.graph.lint()
     gm.recompile()
     log.debug(
@@ -158,7 +170,7 @@ def compile_graph(
     compiled = _compat.compile_with_inductor(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
-    return _LoInputs(compiled, with_lo, unchained, _graph_metrics(measured))
+    return _LoInputs(compiled, upgraded, unchained, _graph_metrics(measured), readers)
 
 
 def _measure_only(
@@ -172,7 +184,7 @@ def _measure_only(
     """``mode="off"``: the graph as plain Inductor compiles it, plus (with metrics) the
     measurements around its parameter writes.  A write here leaves any pair on the tensor
     stale, so its lo restarts from zero after the call (a later collage graph resumes)."""
-    from collage_compile import rewrite
+    from collage_compile import passes, rewrite
 
     written = {w.acc: None for w in info.writes}
     unchained = [a for a in written if a.carries_pair or a.real is None]
@@ -181,15 +193,17 @@ def _measure_only(
         others = [w for w in info.writes if w.acc.role == "param" and w not in sites]
         chains = rewrite.plan_chains(info, sites, others)
         measured = rewrite.emit_measurements(gm, info, chains)
-    if not measured:
-        compiled = _compat.compile_with_inductor(original, example_inputs)
-        return _LoInputs(compiled, [], unchained) if unchained else compiled
-    rewrite.add_metrics_output(gm, measured)
-    gm.graph.lint()
-    gm.recompile()
+    if measured:
+        rewrite.add_metrics_output(gm, measured)
+    if any(passes.finalize(gm).values()) or measured:
+        gm.graph.lint()
+        gm.recompile()
+        original = gm
     # Inductor's own settings: its choice of what to materialize decides which bf16
     # temporaries are rounded, and "off" promises plain Inductor's arithmetic
-    compiled = _compat.compile_with_inductor(gm, example_inputs)
+    compiled = _compat.compile_with_inductor(original, example_inputs)
+    if not measured:
+        return _LoInputs(compiled, [], unchained) if unchained else compiled
     return _LoInputs(compiled, [], unchained, _graph_metrics(measured))
 
 
@@ -233,13 +247,16 @@ def inductor_options() -> dict[str, Any]:
 
 
 class _LoInputs:
-    """Calls the compiled graph with the lo component of every upgraded tensor appended, and
-    afterwards zeroes the lo of every pair on memory the graph wrote without an MCF chain.
+    """Calls the compiled graph with the lo component of every upgraded tensor appended (then
+    that of every weight a chain only reads), and afterwards zeroes the lo of every pair on
+    memory the graph wrote without an MCF chain.
 
     get_attr tensors are fixed for the graph (Dynamo guards their identity and metadata), so
     their lo is remembered, holding only a weak reference to the tensor; each call checks
     that the registry still holds that lo (another graph may have replaced it after the
     tensor changed dtype and back).  Tensors that arrive as inputs are looked up per call.
+    A weight the graph only reads (an EMA's parameter) gets its pair's lo when it has one,
+    else zeros: reading it creates no pair (its writer does that).
     """
 
     def __init__(
@@ -248,9 +265,16 @@ class _LoInputs:
         upgraded: list[Accumulator],
         unchained: list[Accumulator] = (),  # type: ignore[assignment]
         metrics: GraphMetrics | None = None,
+        readers: list[Accumulator] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
         self.metrics = metrics
+        first = len(upgraded)
+        self._readers = [
+            (first + i, weakref.ref(a.real) if a.real is not None else None, a.input_index)
+            for i, a in enumerate(readers)
+        ]
+        self._zeros: dict[int, torch.Tensor] = {}
         self._attrs = [
             (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
             for slot, a in enumerate(upgraded)
@@ -259,12 +283,18 @@ class _LoInputs:
         self._by_input = [
             (slot, a.input_index, a.name) for slot, a in enumerate(upgraded) if a.real is None
         ]
-        self._los: list[torch.Tensor | None] = [None] * len(upgraded)
+        self._los: list[torch.Tensor | None] = [None] * (len(upgraded) + len(readers))
         self._unchained_refs = [(weakref.ref(a.real), a) for a in unchained if a.real is not None]
         self._unchained_inputs = [(a.input_index, a) for a in unchained if a.real is None]
+        # what every call writes (watch: an optimizer step no collage graph wrote is named)
+        self._written_ids = frozenset(
+            id(a.real) for a in [*upgraded, *unchained] if a.real is not None
+        )
+        self._written_inputs = [a.input_index for a in [*upgraded, *unchained] if a.real is None]
 
     def __call__(self, *args: Any) -> Any:
         los = self._los
+        outside: list[tuple[str, str]] = []
         for slot, ref, acc, dtype, shape in self._attrs:
             t = ref()
             if t is None:
@@ -279,13 +309,31 @@ class _LoInputs:
                 )
             if los[slot] is None or state.get_lo(t) is not los[slot]:
                 los[slot] = state.lo_for(t)
-            state.check(t, los[slot], acc.name)
+            why = state.check(t, los[slot], acc.name)
+            if why is not None:
+                outside.append((names.display(t, acc.name), why))
         call_los = list(los)
         for slot, idx, name in self._by_input:
             call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
-            state.check(args[idx], lo, name)
+            why = state.check(args[idx], lo, name)
+            if why is not None:
+                outside.append((names.display(None, name), why))
+        for slot, ref, idx in self._readers:
+            t = ref() if ref is not None else args[idx]
+            lo = state.components(t)[1]
+            if lo is None:
+                lo = self._zeros.get(slot)
+                if lo is None or not state.fits(lo, t):
+                    lo = self._zeros[slot] = state.empty_lo(t).zero_()
+            call_los[slot] = lo
+        if outside:
+            watch.outside_writes([n for n, _ in outside], outside[0][1], key=str(id(self)))
         # Dynamo calls a backend's result with positional arguments (never boxed)
         out = self.compiled(*args, *call_los)
+        wrote = self._written_ids
+        if self._written_inputs:
+            wrote = wrote | {id(args[i]) for i in self._written_inputs}
+        watch.record_call(wrote)
         if self.metrics is not None:
             # the last output is the metrics' sums (rewrite.add_metrics_output)
             self.metrics.record(out[-1], args)

@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,18 +15,24 @@ import torch
 
 from collage_compile import _compat, names
 from collage_compile.accumulators import readable_name, real_value, storage_key
+from collage_compile.diagnostics import CollageWarning, reset_warnings, warn_once
 from collage_compile.mcf import LOW_PRECISION as _LOW
+
+__all__ = [
+    "CollageWarning",
+    "Explanation",
+    "GraphReport",
+    "explain",
+    "record",
+    "reports",
+    "reset_warnings",
+    "warn_once",
+]
 
 log = logging.getLogger("collage_compile")
 
-_warned: set[tuple[str, ...]] = set()
-_warn_lock = threading.Lock()
 _reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 _graph_ids = itertools.count(1)
-
-
-class CollageWarning(UserWarning):
-    """A low-precision accumulation the backend found but could not upgrade."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,120 +259,6 @@ def _why(write: Any, fused: dict[Any, str]) -> str:
     return f"{write.op} is not an accumulation the backend can carry exactly; lo restarts from zero after it"
 
 
-_fused_hook = None
-_fused_lock = threading.Lock()
-_warn_fused_eagerly: Any = None
-_warn_untraced_eagerly: Any = None
-_warn_param_eagerly: Any = None
-
-
-def watch_fused_optimizers() -> None:
-    """Install (once) a global optimizer pre-step hook that warns about ``fused=True``.
-
-    Dynamo never traces into a fused optimizer (``torch.optim`` wraps it in
-    ``torch.compiler.disable``), so its step never reaches the backend as a graph: a fused
-    optimizer over bf16/fp16 parameters would silently run plain low-precision arithmetic.
-    The hook is installed when the backend is first asked for, never at import.
-    """
-    global _fused_hook
-    with _fused_lock:
-        if _fused_hook is not None:
-            return
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        global _warn_fused_eagerly
-        # Dynamo graph-breaks on a disabled function and runs it eagerly: the warning is
-        # never traced into a graph (only fused optimizers, which run eagerly anyway, reach it)
-        _warn_fused_eagerly = torch.compiler.disable(_warn_fused)
-        global _warn_untraced_eagerly, _warn_param_eagerly
-        _warn_untraced_eagerly = torch.compiler.disable(_warn_untraced)
-        _warn_param_eagerly = torch.compiler.disable(_warn_param)
-        _fused_hook = register_optimizer_step_pre_hook(_check_step)
-
-
-def _check_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    # Traced by Dynamo for every compiled optimizer: for non-fused groups this is constant
-    # False and adds nothing to the graph.
-    for g, group in enumerate(optimizer.param_groups):
-        # ``for p in``, not enumerate(): Dynamo names a graph's parameter after the variable
-        # that first holds it, and enumerate's polyfill would rename every one to "x"
-        i = 0
-        for p in group["params"]:
-            dtype = getattr(p, "dtype", None)
-            if dtype == torch.complex32:
-                _warn_param_eagerly("complex", type(optimizer).__name__, g, i, tuple(p.shape))
-            elif (
-                dtype in _LOW
-                # a traced step never has sparse grads (Dynamo falls back to eager, where
-                # this runs); not reading .grad while tracing keeps the graph's inputs as
-                # they were
-                and not torch.compiler.is_compiling()
-                and p.grad is not None
-                and p.grad.layout != torch.strided
-            ):
-                _warn_param_eagerly("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
-            i += 1
-        if not any(getattr(p, "dtype", None) in _LOW for p in group["params"]):
-            continue
-        if group.get("fused"):
-            _warn_fused_eagerly(type(optimizer).__name__)
-            return
-        if isinstance(optimizer, torch.optim.Adafactor) and not (
-            group.get("foreach") and _compat.captures_scalar_outputs()
-        ):
-            _warn_untraced_eagerly(type(optimizer).__name__)
-            return
-
-
-_PARAM_REASONS = {
-    "complex": "is complex32: a (hi, lo) pair is real-valued, so its updates run as written, "
-    "in plain fp16 complex arithmetic (updates below half an ulp are lost)",
-    "sparse": "has a sparse gradient: Dynamo does not trace sparse tensors, so this step runs "
-    "eagerly and the parameter is updated in plain low precision (updates below half an ulp "
-    "are lost); use a dense gradient (e.g. nn.Embedding(sparse=False)) to have it upgraded",
-}
-
-
-def _warn_param(kind: str, opt: str, group: int, index: int, shape: tuple[int, ...]) -> None:
-    warn_once(
-        (kind, opt, str(group), str(index)),
-        f"collage: {opt} param_groups[{group}].params[{index}] {shape} {_PARAM_REASONS[kind]}",
-        stacklevel=4,
-    )
-
-
-def _warn_fused(name: str) -> None:
-    warn_once(
-        ("fused", name),
-        f"collage: {name}(fused=True) runs one opaque kernel that torch.compile does not trace, "
-        f"so its bf16/fp16 parameters are updated in plain low precision (updates below half "
-        f"an ulp are lost); construct it with foreach=True (or foreach=False) to have collage "
-        f"upgrade it",
-        stacklevel=4,
-    )
-
-
-def _warn_untraced(name: str) -> None:
-    warn_once(
-        ("untraced", name),
-        f"collage: {name}.step calls Tensor.item(), so torch.compile skips it (it runs eagerly "
-        f"and its bf16/fp16 parameters are updated in plain low precision) unless "
-        f"torch._dynamo.config.capture_scalar_outputs = True and the optimizer is built with "
-        f"foreach=True (its single-tensor path then fails in Inductor's lerp lowering)",
-        stacklevel=4,
-    )
-
-
-def warn_once(key: tuple[str, ...], message: str, stacklevel: int = 2) -> None:
-    """A CollageWarning, given once per ``key`` for the life of the process (or until
-    :func:`reset_warnings`)."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, CollageWarning, stacklevel=stacklevel + 1)
-
-
 _reports_lock = threading.Lock()
 
 
@@ -384,8 +275,3 @@ def reports() -> list[GraphReport]:
     """Reports of the most recently compiled graphs (oldest first)."""
     with _reports_lock:
         return list(_reports)
-
-
-def reset_warnings() -> None:
-    with _warn_lock:
-        _warned.clear()

@@ -37,7 +37,15 @@ from collage_compile.accumulators import (
     written_nodes,
     written_slots,
 )
-from collage_compile.passes._common import f32, is_number, is_scalar
+from collage_compile.passes._common import (
+    f32,
+    hyperparameter_f64,
+    is_exact_f64,
+    is_number,
+    is_scalar,
+    is_symbolic_float,
+    scalar_f64,
+)
 
 # ---- the chain arithmetic, a plain torch function (eager or traced) ---------------------
 
@@ -133,10 +141,14 @@ def _set_value(hi: Any, src: Any) -> Any:
 
 
 def _split_symbolic(hi: Any, c: Any) -> tuple[Any, Any]:
-    """A symbolic Python scalar (``1 - lr*wd`` under ``dynamic=True``) as an fp32 pair, split
-    at run time in float64 on hi's device: a Veltkamp split (sigma = 2^29 + 1) leaves a
-    24-bit head, so both casts to fp32 are exact and no compiler pass can drop them."""
-    c64 = hi.new_full((), c, dtype=torch.float64)
+    """A symbolic Python scalar (``1 - lr*wd`` once lr is scheduled) as an fp32 pair, split
+    at run time in float64: a Veltkamp split (sigma = 2^29 + 1) leaves a 24-bit head, so
+    both casts to fp32 are exact and no compiler pass can drop them."""
+    return _split_f64(scalar_f64(c))
+
+
+def _split_f64(c64: Any) -> tuple[Any, Any]:
+    """A float64 0-dim tensor as an fp32 pair (see :func:`_split_symbolic`)."""
     t = c64 * float(2**29 + 1)
     head = t - (t - c64)
     return head.float(), (c64 - head).float()
@@ -144,6 +156,8 @@ def _split_symbolic(hi: Any, c: Any) -> tuple[Any, Any]:
 
 def _factor_fp32(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, Any]:
     c = fn(*args) if fn is not None else args[0]
+    if is_exact_f64(c):
+        return _split_f64(c)
     if _is_tensor(c):
         return c.float(), 0.0
     if isinstance(c, fx.Proxy):
@@ -155,11 +169,11 @@ def _factor_and_change(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, An
     """A decay's factor c and its change c - 1, in fp32 (:func:`mcf.dw_mul`)."""
     c = fn(*args) if fn is not None else args[0]
     if _is_tensor(c):
-        c = c.float()
-        # exact for c in [1/2, 2] (Sterbenz), every decay; elsewhere rounded relative to it
-        return c, c - 1.0
+        # exact for c in [1/2, 2] (Sterbenz), every decay; elsewhere rounded relative to it;
+        # a float64 hyperparameter (a scheduled 1 - lr*wd) takes c - 1 in float64 first
+        return c.float(), (c - 1.0).float()
     if isinstance(c, fx.Proxy):
-        c64 = hi.new_full((), c, dtype=torch.float64)
+        c64 = scalar_f64(c)
         return c64.float(), (c64 - 1.0).float()
     return mcf.constant_factor(float(c))
 
@@ -167,7 +181,10 @@ def _factor_and_change(hi: Any, args: tuple[Any, ...], fn: Any) -> tuple[Any, An
 def _factor_storage(hi: Any, args: tuple[Any, ...], fn: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     c = fn(*args) if fn is not None else args[0]
     if _is_tensor(c) or isinstance(c, fx.Proxy):
-        c32, c32_lo = (c.float(), 0.0) if _is_tensor(c) else _split_symbolic(hi, c)
+        if is_exact_f64(c):
+            c32, c32_lo = _split_f64(c)
+        else:
+            c32, c32_lo = (c.float(), 0.0) if _is_tensor(c) else _split_symbolic(hi, c)
         c_hi = mcf.round_to(c32, dtype)
         return c_hi, mcf.round_to((c32 - c_hi) + c32_lo, dtype)
     try:
@@ -223,6 +240,8 @@ class _Emitter:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.tracer = fx.proxy.GraphAppendingTracer(graph)
+        self.scalars: dict[tuple[fx.Node, Any], fx.Node] = {}
+        self.device: Any = None
 
     def proxy(self, x: Any) -> Any:
         if isinstance(x, fx.Node):
@@ -233,11 +252,27 @@ class _Emitter:
             return type(x)(self.proxy(v) for v in x)
         return x
 
+    def hoist_scalars(self, chain: Chain) -> None:
+        """Make each symbolic float a chain's steps read (a scheduled lr in ``1 - lr*wd``)
+        a float64 tensor right after it is computed, outside the chain, so the chain's inputs
+        are all tensors (:func:`fuse.outline`) and the value stays exact."""
+        device = chain.acc.example.device
+        for site in chain.sites:
+            for step in site.steps:
+                for n in flat_nodes(step.args):
+                    if (n, device) not in self.scalars and is_symbolic_float(n):
+                        self.scalars[n, device] = hyperparameter_f64(self.graph, n, device)
+        self.device = device
+
     def operands(self, args: tuple[Any, ...], info: GraphInfo, own: Accumulator) -> Any:
         """A step's operands as proxies; an operand that is another tensor carrying a pair
-        (an EMA's parameter) reads its full value hi + lo, in fp32."""
+        (an EMA's parameter) reads its full value hi + lo, in fp32; a symbolic float is its
+        float64 tensor (:meth:`hoist_scalars`)."""
         out = []
         for a in args:
+            if isinstance(a, fx.Node) and (a, self.device) in self.scalars:
+                out.append(self.proxy(self.scalars[a, self.device]))
+                continue
             lo = self._lo_of(info, a, own)
             out.append(self.proxy(a) if lo is None else self.proxy(a).float() + lo.float())
         return tuple(out)
@@ -469,6 +504,7 @@ def emit(
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
+        em.hoist_scalars(chain)
         first_new = last.prev
         with graph.inserting_before(last):
             hi = em.proxy(acc.node)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from collage_compile import _compat, mcf
+from collage_compile.diagnostics import CollageWarning
 from collage_compile.mcf import LOW_PRECISION
 
 __all__ = [
@@ -49,6 +50,13 @@ _by_storage: dict[int, set[int]] = {}
 # view key -> (storage weak reference, lo), for tensors registered by view
 _by_view: dict[tuple, tuple[object, torch.Tensor]] = {}
 _views_live_after_sweep = 0
+# bumped whenever a tensor gains or loses its pair (callers cache "which tensors carry one")
+_epoch = 0
+
+
+def epoch() -> int:
+    """A number that changes whenever the set of tensors carrying a pair may have changed."""
+    return _epoch
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -84,9 +92,11 @@ def _sweep_views() -> None:
 
 
 def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
+    global _epoch
     with _lock:
         entry = _entries.get(key)
         if entry is not None and entry[0] is ref:
+            _epoch += 1
             del _entries[key]
             ids = _by_storage.get(ptr)
             if ids is not None:
@@ -173,6 +183,11 @@ def empty_lo(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.size(), dtype=t.dtype, device=t.device)
 
 
+def fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``lo`` has ``t``'s dtype, shape, device and layout."""
+    return _fits(lo, t)
+
+
 def _fits(lo: torch.Tensor, t: torch.Tensor, any_device: bool = False) -> bool:
     dense = _compat.is_non_overlapping_and_dense(t)
     return (
@@ -194,6 +209,7 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
     the dtype, shape, device or layout under it) describes a value that is gone: it is
     replaced by zeros, with a one-time warning naming the tensor's shape.
     """
+    global _epoch
     lo = get_lo(t)
     if lo is not None and _fits(lo, t):
         return lo
@@ -211,6 +227,7 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
             if len(_by_view) >= 2 * _views_live_after_sweep + 64:
                 _sweep_views()
             _by_view[_view_key(t)] = (_compat.storage_weakref(t), lo)
+            _epoch += 1
         return lo
     with _lock:
         lo = get_lo(t)
@@ -225,6 +242,8 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
 
 def _register(t: torch.Tensor, lo: torch.Tensor) -> None:
     """Make ``lo`` the pair of ``t`` (by identity); the caller holds ``_lock``."""
+    global _epoch
+    _epoch += 1
     key, ptr = id(t), t.untyped_storage().data_ptr()
     old = _entries.get(key)
     if old is not None:  # re-fitted: the tensor may sit on a new storage now
@@ -242,10 +261,10 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     with _lock:
         _register(t, lo)
     if old is not None and id(old) in _stamps:
-        _, owner, _version, probe, pending = _stamps[id(old)]
+        _, owner, _version, probe, pending, registered = _stamps[id(old)]
         probe = None if probe is None else probe.to(lo.device)
         # the move gave the tensor a new version counter: re-read it, keep the probe
-        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, probe, pending)
+        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, probe, pending, registered)
     return lo
 
 
@@ -264,8 +283,6 @@ def set_lo(t: torch.Tensor, lo: torch.Tensor) -> None:
 
 
 def _warn_refit(lo: torch.Tensor, t: torch.Tensor) -> None:
-    from collage_compile.report import CollageWarning
-
     warnings.warn(
         f"collage: tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} changed under "
         f"its lo ({tuple(lo.shape)} {str(lo.dtype).replace('torch.', '')}, strides "
@@ -281,12 +298,15 @@ def _current_lo(t: torch.Tensor) -> torch.Tensor | None:
     lo = get_lo(t)
     if lo is None and t.dtype in LOW_PRECISION:
         lo = _exact_alias_lo(t)
-    return lo if lo is not None and _fits(lo, t) else None
+    if lo is None or not _fits(lo, t) or written_since_stamp(lo) is not None:
+        return None
+    return lo
 
 
 def components(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(hi, lo)`` of a tensor: hi is ``t`` itself, lo is ``None`` if it was never upgraded
-    (or no longer fits it: changed dtype, shape, device or layout)."""
+    """``(hi, lo)`` of a tensor: hi is ``t`` itself, lo is ``None`` if it was never upgraded,
+    no longer fits it (changed dtype, shape, device or layout), or ``t`` was written outside
+    a compiled step since (its version counter moved: the lo belonged to the old values)."""
     return t, _current_lo(t)
 
 
@@ -298,8 +318,9 @@ def value(t: torch.Tensor) -> torch.Tensor:
 
 def clear() -> None:
     """Forget every lo component (tests; a fresh start)."""
-    global _views_live_after_sweep
+    global _views_live_after_sweep, _epoch
     with _lock:
+        _epoch += 1
         _entries.clear()
         _by_storage.clear()
         _by_view.clear()
@@ -329,10 +350,11 @@ _PROBES = 8
 
 class _Stamp(NamedTuple):
     lo: weakref.ref  # the lo this describes (ids are reused after it dies)
-    owner: weakref.ref | None  # the tensor registered by identity with it, if any
+    owner: weakref.ref | None  # the tensor registered with it (or stamped through)
     version: int | None  # owner._version after the last compiled call
     probe: torch.Tensor | None  # sampled bit patterns of hi after it
     pending: tuple[int, int] | None  # checksum of the hi a restored lo was saved with
+    registered: bool = True  # owner is registered with lo (not a witness stamped through)
 
 
 # id(lo) -> _Stamp
@@ -386,14 +408,20 @@ def stamp(t: torch.Tensor, lo: torch.Tensor, pending: tuple[int, int] | None = N
     key = id(lo)
     old = _stamps.get(key)
     if old is not None and old.lo() is lo:
-        ref, owner_ref = old.lo, old.owner
+        ref, registered = old.lo, old.registered
+        # a registered owner is kept; a witness is the tensor stamped through this time
+        owner_ref = old.owner if registered else weakref.ref(t)
     else:
+        # the tensor registered with it, else the one it is stamped through (a list that a
+        # compiled function is passed every call; a fresh alias such as p.detach() dies at
+        # once, and then only the probe tells a write)
         owner = _owner_of(lo)
-        owner_ref = weakref.ref(owner) if owner is not None else None
+        registered = owner is not None
+        owner_ref = weakref.ref(owner if registered else t)
         ref = _lo_ref(lo)
     owner = owner_ref() if owner_ref is not None else None
     version = owner._version if owner is not None else None
-    _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending)
+    _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending, registered)
 
 
 def forget(lo: torch.Tensor) -> None:
@@ -401,17 +429,52 @@ def forget(lo: torch.Tensor) -> None:
     _stamps.pop(id(lo), None)
 
 
-def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
+def written_since_stamp(lo: torch.Tensor) -> str | None:
+    """Why the owner of ``lo`` no longer holds the hi it was stamped with, as far as its
+    version counter tells (no tensor work: a host check); None if it does (or is unknown)."""
+    entry = _stamps.get(id(lo))
+    if entry is None or entry.pending is not None or entry.owner is None or entry.lo() is not lo:
+        return None
+    owner = entry.owner()
+    if owner is not None and owner._version != entry.version:
+        return f"version {entry.version} -> {owner._version}"
+    return None
+
+
+_sweep_keys: list[int] = []
+
+
+def sweep(budget: int) -> list[tuple[torch.Tensor, str]]:
+    """Check up to ``budget`` recorded pairs (round robin over all of them) for a write
+    outside a compiled step, by version counter only; returns [(owner, why)] of those
+    written.  Nothing is zeroed here (the next compiled step does that, :func:`check`)."""
+    global _sweep_keys
+    out = []
+    for _ in range(min(budget, len(_stamps))):
+        if not _sweep_keys:
+            _sweep_keys = list(_stamps)
+        key = _sweep_keys.pop()
+        entry = _stamps.get(key)
+        lo = entry.lo() if entry is not None else None
+        if lo is None:
+            continue
+        why = written_since_stamp(lo)
+        if why is not None:
+            out.append((entry.owner(), why))
+    return out
+
+
+def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> str | None:
     """Zero ``lo`` if ``t`` (its hi, or an alias) was written since :func:`stamp` by
-    anything but a compiled step; True if it was kept."""
+    anything but a compiled step; returns why it was zeroed, None if it was kept."""
     entry = _stamps.get(id(lo))
     if entry is None or entry.lo() is not lo:
-        return True
-    _, owner_ref, version, probe, pending = entry
+        return None
+    _, owner_ref, version, probe, pending, _ = entry
     if pending is not None:
         if checksum(t) == pending:
             stamp(t, lo)
-            return True
+            return None
         why = "its weights differ from those it was saved with"
     else:
         owner = owner_ref() if owner_ref is not None else None
@@ -420,7 +483,7 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
         elif probe is not None and not torch.equal(_probe(t), probe):
             why = "its values changed (a write through .data?)"
         else:
-            return True
+            return None
     with torch.no_grad():
         lo.zero_()
     stamp(t, lo)
@@ -430,7 +493,7 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> bool:
         tuple(t.shape),
         why,
     )
-    return False
+    return why
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:

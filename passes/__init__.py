@@ -11,6 +11,14 @@ Before them, normalizations run on the graph where the configuration asks for th
    out in fp32 with one cast, so it rounds once as eager does (see its docstring)
 0. ``batch_norm`` (``mode="all"``) -- a training-mode ``F.batch_norm``'s running statistics
    spelled out as two ``lerp_`` writes, which the lerp family then claims
+0. ``step_size`` (every mode) -- Adam's compiled low-precision denominator, which divides
+   by the step size, refolded so that ``lr = 0`` updates by 0 instead of writing NaN
+
+After the rewrite, on every graph that holds a low-precision accumulator:
+
+5. ``scalars`` -- a hyperparameter a scheduler changes (lr, betas, momentum), which Dynamo
+   passes as a float input, enters every op that is left as a 0-dim tensor, so that no op
+   specializes it (one compile per learning rate, then eager execution)
 
 Each family is ``match(info, ctx) -> int``: it claims the writes it understands (turning each
 into :class:`collage_compile.accumulators.Step` s) and returns how many it claimed.  A write no
@@ -26,7 +34,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from collage_compile.passes import additive, batch_norm, copy_expr, decay, eager_alpha, lerp
+from collage_compile.passes import (
+    additive,
+    batch_norm,
+    copy_expr,
+    decay,
+    eager_alpha,
+    lerp,
+    scalars,
+    step_size,
+)
 
 FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
     ("lerp", lerp.match),
@@ -40,12 +57,18 @@ FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
 NORMALIZATIONS: tuple[tuple[str, Callable[[Any], bool], Callable[..., int]], ...] = (
     ("batch_norm", lambda config: config.mode == "all", batch_norm.run),
     ("eager_alpha", lambda config: config.arithmetic == "storage", eager_alpha.run),
+    ("step_size", lambda config: True, step_size.run),
 )
 
 
 def normalize(gm: Any, config: Any) -> dict[str, int]:
     """Graph normalizations the configuration needs before accumulators are found."""
     return {name: fn(gm) for name, applies, fn in NORMALIZATIONS if applies(config)}
+
+
+def finalize(gm: Any) -> dict[str, int]:
+    """Passes on the rewritten graph (see the module docstring)."""
+    return {"scalars": scalars.run(gm)}
 
 
 def run(info: Any, ctx: Any) -> dict[str, int]:
@@ -56,6 +79,6 @@ def run(info: Any, ctx: Any) -> dict[str, int]:
 def uuid() -> str:
     """Hash of every family's source, so a changed pass changes cache keys."""
     h = hashlib.sha256()
-    for fn in (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES)):
+    for fn in (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES), scalars.run):
         h.update(inspect.getsource(inspect.getmodule(fn)).encode())
     return h.hexdigest()[:16]

@@ -21,10 +21,64 @@ def f32(x: Any) -> Any:
     the operands runs in fp32, so the update reaching the Grow is not rounded to bf16 first.
     """
     if isinstance(x, fx.Proxy) and is_scalar(x):
-        return torch.scalar_tensor(x, dtype=torch.float32)
+        return scalar_f64(x).float()
     if isinstance(x, (torch.Tensor, fx.Proxy)):
         return x.float()
     return float(x)
+
+
+def scalar_f64(x: Any) -> Any:
+    """A symbolic Python scalar (``1 - lr*wd`` once Dynamo has made ``lr`` dynamic) as a
+    0-dim float64 tensor, exact.
+
+    Built as ``zeros + x`` because that is an op Dynamo's float tensorification
+    (``torch.fx.passes._tensorify_python_scalars``) rewrites into tensor arithmetic on the
+    graph's float input; a SymFloat consumed any other way (``torch.scalar_tensor``,
+    ``new_full``) is specialized to the value it was traced with, which guards on it: one
+    recompile per learning rate, then eager execution at the recompile limit.
+    """
+    if isinstance(x, fx.Proxy):  # a graph node, not a constant folded in while tracing
+        zero = x.tracer.create_proxy("call_function", torch.zeros, ((),), {"dtype": torch.float64})
+    else:
+        zero = torch.zeros((), dtype=torch.float64)
+    return zero + x
+
+
+def is_symbolic_float(node: Any) -> bool:
+    """A graph value that is a SymFloat with free symbols (a float input Dynamo made
+    dynamic, such as a scheduled lr, or arithmetic on one)."""
+    if not isinstance(node, fx.Node):
+        return False
+    ex = _compat.example_value(node)
+    return isinstance(ex, torch.SymFloat) and bool(_compat.free_symbols(ex))
+
+
+def hyperparameter_f64(graph: fx.Graph, x: fx.Node, device: Any = None) -> fx.Node:
+    """A node computing symbolic float ``x`` as a 0-dim float64 tensor on ``device``, placed
+    right after ``x`` (valid for all of its users) and marked so the chain arithmetic knows
+    it is exact (:func:`is_exact_f64`)."""
+    with graph.inserting_after(x):
+        zero = graph.call_function(torch.zeros, ((),), {"dtype": torch.float64, "device": device})
+    with graph.inserting_after(zero):
+        node = graph.call_function(operator.add, (zero, x))
+    ex = _compat.example_value(x)
+    node.meta[_EXACT_F64] = True
+    fake = _compat.fake_scalar_f64(ex, device)
+    if fake is not None:
+        zero.meta["example_value"] = fake
+        node.meta["example_value"] = fake
+    return node
+
+
+_EXACT_F64 = "collage_exact_f64"
+
+
+def is_exact_f64(x: Any) -> bool:
+    """A float64 0-dim tensor holding a hyperparameter exactly: a node made by
+    :func:`hyperparameter_f64` (as a proxy), or an eager float64 0-dim tensor."""
+    if isinstance(x, fx.Proxy):
+        return bool(x.node.meta.get(_EXACT_F64))
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float64 and x.dim() == 0
 
 
 def is_scalar(x: Any) -> bool:

@@ -1,0 +1,72 @@
+"""One line for an existing training loop: compile an optimizer's step with the backend.
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    collage_compile.compile_optimizer(opt)     # opt.step() now runs the collage graph
+
+The step is compiled in place, so every caller of ``opt.step()`` gets it: your loop, a
+trainer that holds the optimizer, ``torch.amp.GradScaler.step``, an LR scheduler (which
+wraps ``opt.step`` to count calls, before or after this).  ``torch.compile(opt.step,
+backend=collage_compile.backend)`` remains the explicit spelling of the same thing.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["GradScaler", "compile_optimizer"]
+
+
+def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch.optim.Optimizer:
+    """Compile ``optimizer.step`` with the collage backend (``options``: those of
+    :func:`collage_compile.make_backend`) and install it as the optimizer's ``step``.
+
+    Returns the optimizer.  Calling it again does nothing.  A ``fused=True`` optimizer is
+    one opaque kernel that no backend can rewrite: a ``ValueError`` says so (build it with
+    ``fused=False``; :class:`collage_compile.hf.CollageCallback` switches a trainer's
+    default fused AdamW before its first step).
+    """
+    from collage_compile import compiler, watch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"collage: compile_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if getattr(optimizer.step, "_collage_compiled", False):
+        return optimizer
+    fused = [i for i, g in enumerate(optimizer.param_groups) if g.get("fused")]
+    if fused:
+        raise ValueError(
+            f"collage: {type(optimizer).__name__}(fused=True) runs one opaque kernel that "
+            f"torch.compile does not trace (param_groups {fused}); build it with fused=False "
+            "(foreach=True or the default) to have its step upgraded"
+        )
+    watch.install()
+    backend = compiler.make_backend(**options) if options else compiler.backend
+    compiled = torch.compile(optimizer.step, backend=backend)
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return compiled(*args, **kwargs)
+
+    step._collage_compiled = True  # type: ignore[attr-defined]
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        # an LR scheduler's call-counting wrapper is what got compiled: it still counts
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    step.__doc__ = f"{type(optimizer).__name__}.step, compiled with the collage backend."
+    # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    return optimizer
+
+
+def _grad_scaler() -> type:
+    from collage_compile import _compat
+
+    return _compat.fp16_grad_scaler()
+
+
+#: ``torch.amp.GradScaler`` for fp16 *parameters*: it unscales fp16 gradients, which
+#: torch's refuses (see :func:`collage_compile._compat.fp16_grad_scaler`).  Use it with
+#: :func:`compile_optimizer`, so that ``scaler.step(opt)`` calls the compiled step.
+GradScaler = _grad_scaler()

@@ -1,0 +1,326 @@
+"""Steps that run without a collage graph are found and named: never a silent fallback.
+
+A tensor carrying a (hi, lo) pair is compensated only while graphs compiled by the
+backend update it.  When something else does (``opt.step`` called uncompiled,
+``torch.compiler.disable``, a graph break that leaves the step to eager, Dynamo's
+recompile limit, another backend), the update is plain low precision and the user must
+hear about it.  Three watchers, installed once when the backend is first asked for:
+
+1. **Optimizer steps.**  A check that runs eagerly after every optimizer step, compiled or
+   not, and adds no guard to any graph (:func:`_compat.after_every_optimizer_step`: a
+   ``torch.compiler.disable``-d call where torch.optim's step wrapper calls its profiler
+   entry point, right after the step).  Every call of a collage graph adds the tensors it wrote to each
+   optimizer's window; the hook compares the window with the optimizer's parameters that
+   carry a pair and have a gradient.  One no collage graph wrote was stepped without one:
+   a :class:`CollageWarning` names the optimizer, the parameters and the likely cause.
+   Their lo is *kept*: the eager step was a valid plain update of hi, and lo still holds
+   what earlier steps left in it (zeroing it would lose that too), so the next compiled
+   step resumes from hi + lo.  The hook also warns about input no graph can upgrade
+   (``fused=True``, complex32, sparse gradients, an untraceable Adafactor).  Cost per step:
+   a few set operations, whatever the model size.
+2. **Dynamo's recompile limit.**  When Dynamo gives up on a function whose graphs the
+   backend compiled (its ``recompile_limit`` warning), a CollageWarning names the tensors
+   those graphs upgrade: calls that match none of the compiled graphs now run eagerly.
+3. **Writes outside a step.**  After each optimizer step, a bounded number of the recorded
+   pairs (round robin) have their version counter compared with the one recorded after
+   their last compiled update: an EMA updated eagerly, or a ``load_state_dict`` without
+   :func:`collage_compile.attach`, is named in a CollageWarning.  The next compiled step
+   that reads such a tensor restarts its lo from zero (the lo belonged to the old values),
+   and :func:`collage_compile.value` ignores it from the write on.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from collage_compile import _compat, names, state
+from collage_compile.diagnostics import warn_once
+from collage_compile.mcf import LOW_PRECISION
+
+__all__ = ["compiled_frame", "install", "record_call"]
+
+_installed = False
+_install_lock = threading.Lock()
+
+# optimizer -> ids of the tensors written by each collage graph call since its last step
+_windows: weakref.WeakKeyDictionary[Any, list[frozenset[int]]] = weakref.WeakKeyDictionary()
+# a window longer than this belongs to an optimizer no longer stepped: dropped
+_WINDOW_LIMIT = 4096
+# optimizer -> (registry epoch, parameter count, ids of parameters carrying a pair, id -> param)
+_expected: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], dict[int, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+# "'step' (file:line)" -> (names, ids) of the tensors the collage graphs of that frame upgrade
+_frames: dict[str, tuple[list[str], set[int]]] = {}
+# ids of tensors already named in a recompile-limit warning (not named again per step)
+_limit_named: set[int] = set()
+# optimizer -> parameter count when its input was last checked
+_checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# recompile-limit events seen: (function, limit, value, last reason)
+_limits: list[tuple[str, str, str, str]] = []
+# pairs checked per optimizer step for writes outside a step (round robin)
+SWEEP_BUDGET = 64
+
+
+def install() -> None:
+    """Install the watchers (once; never at import)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _compat.after_every_optimizer_step(_after_step)
+        _compat.on_recompile_limit(_recompile_limit_hit)
+        _installed = True
+
+
+def record_call(ids: frozenset[int]) -> None:
+    """A collage graph wrote the tensors with these ids (called on every graph call)."""
+    for opt, window in list(_windows.items()):
+        window.append(ids)
+        if len(window) > _WINDOW_LIMIT:
+            del _windows[opt]
+
+
+def compiled_frame(frame: str | None, upgraded: list[tuple[str, int | None]]) -> None:
+    """The backend compiled a graph of ``frame`` that upgrades these tensors (name, id)."""
+    if frame is not None and upgraded:
+        shown, ids = _frames.setdefault(frame, ([], set()))
+        shown.extend(n for n, _ in upgraded if n not in shown)
+        ids.update(i for _, i in upgraded if i is not None)
+
+
+def reset() -> None:
+    """Forget what was watched (tests; a fresh start).  The hook stays installed."""
+    _windows.clear()
+    _expected.clear()
+    _frames.clear()
+    _limit_named.clear()
+    _checked.clear()
+    _limits.clear()
+
+
+# ----------------------------------------------------------------------- optimizer hooks
+
+
+def _after_step(optimizer: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) != count:
+        _check_input(optimizer)
+        _checked[optimizer] = count
+    window = _windows.get(optimizer)
+    _windows[optimizer] = []  # the next step's window
+    if window is not None:  # None: its first step since the watch began (nothing to compare)
+        written = frozenset().union(*window)
+        expected, by_id = _pair_params(optimizer)
+        missing = expected - written
+        if missing:
+            stepped = [by_id[i] for i in missing if by_id[i].grad is not None]
+            if stepped:
+                _eager_step(optimizer, stepped, len(expected))
+    _sweep()
+
+
+def _pair_params(optimizer: Any) -> tuple[frozenset[int], dict[int, Any]]:
+    """Ids of the optimizer's parameters that carry a pair (cached until one gains or
+    loses its pair, or the optimizer gains parameters)."""
+    epoch = state.epoch()
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _expected.get(optimizer)
+    if cached is not None and cached[0] == epoch and cached[1] == count:
+        return cached[2], cached[3]
+    by_id = {
+        id(p): p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if isinstance(p, torch.Tensor) and state.get_lo(p) is not None
+    }
+    _expected[optimizer] = (epoch, count, frozenset(by_id), by_id)
+    return frozenset(by_id), by_id
+
+
+def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
+    """``params`` (carrying pairs) were stepped without a collage graph: keep their lo as
+    the lo of the new hi, and say so once per optimizer."""
+    for p in params:
+        for t in [p, *_state_tensors(optimizer, p)]:
+            lo = state.get_lo(t)
+            if lo is not None:
+                state.stamp(t, lo)  # the step was a valid update of hi: not an outside write
+    if all(id(p) in _limit_named for p in params):
+        return  # the recompile-limit warning named them already
+    shown = _param_names(optimizer, params)
+    opt = type(optimizer).__name__
+    dtype = str(params[0].dtype).replace("torch.", "")
+    warn_once(
+        ("eager-step", str(id(optimizer))),
+        f"collage: {opt}.step ran without a graph compiled by the collage backend: "
+        f"{len(params)} of its {carrying} parameters that carry a (hi, lo) pair ({shown}) were "
+        f"updated in plain {dtype} arithmetic, which drops updates below half an ulp. "
+        f"Cause: {_cause(params)}. Their lo is kept and the next compiled step resumes from hi + lo. "
+        f"To stay compensated, call the compiled step every time "
+        f"(step = torch.compile(opt.step, backend=collage_compile.backend), or "
+        f"collage_compile.compile_optimizer(opt)).",
+        stacklevel=4,
+    )
+
+
+def _state_tensors(optimizer: Any, p: Any) -> list[torch.Tensor]:
+    return [
+        v
+        for v in optimizer.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
+    ]
+
+
+def _param_names(optimizer: Any, params: list[Any], limit: int = 4) -> str:
+    where = {
+        id(p): (g, i)
+        for g, grp in enumerate(optimizer.param_groups)
+        for i, p in enumerate(grp["params"])
+    }
+    shown = []
+    for p in params[:limit]:
+        g, i = where.get(id(p), (0, 0))
+        shown.append(names.display(p, f"param_groups[{g}].params[{i}]"))
+    more = f", and {len(params) - limit} more" if len(params) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _cause(params: list[Any]) -> str:
+    ids = {id(p) for p in params}
+    for function, limit, value, reason in reversed(_limits):
+        if function not in _frames or not ids & _frames[function][1]:
+            continue
+        return (
+            f"torch.compile hit config.{limit} ({value}) for {function} (last reason: "
+            f"{reason}), so calls that match none of its compiled graphs run eagerly"
+        )
+    return (
+        "the step ran outside every graph compiled by the collage backend: an uncompiled "
+        "call of opt.step, torch.compiler.disable around it, a graph break that left it to "
+        "eager, torch.compile falling back to eager, or another backend "
+        '(TORCH_LOGS="graph_breaks,recompiles" shows which)'
+    )
+
+
+# --------------------------------------------------------------------- recompile limit
+
+
+def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> None:
+    _limits.append((function, limit, value, reason))
+    del _limits[:-64]
+    if function not in _frames:
+        return
+    upgraded, ids = _frames[function]
+    _limit_named.update(ids)
+    more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
+    shown = ", ".join(upgraded[:4]) + more
+    warn_once(
+        ("recompile-limit", function),
+        f"collage: torch.compile hit config.{limit} ({value}) for {function} (last reason: "
+        f"{reason}). A call of it that matches none of its compiled graphs now runs eagerly, "
+        f"and the tensors its collage graphs upgrade ({shown}) are then updated in plain low "
+        f"precision. A hyperparameter changed as a Python float between calls is kept dynamic "
+        f"by the backend; look for what else changes (TORCH_LOGS=recompiles), or raise "
+        f"torch._dynamo.config.{limit}.",
+        stacklevel=2,
+    )
+
+
+# ------------------------------------------------------------------ writes outside a step
+
+
+def _sweep() -> None:
+    written = state.sweep(SWEEP_BUDGET)
+    for owner, why in written:
+        if owner is None:
+            continue
+        outside_writes([names.display(owner, f"tensor {tuple(owner.shape)}")], why)
+
+
+def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
+    """Tensors carrying a pair were written outside a compiled step (found by the sweep or
+    by a compiled step's check, ``key`` naming the graph): say so once."""
+    listed = ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+    warn_once(
+        ("outside-write", key or shown[0]),
+        f"collage: {listed} carrying a (hi, lo) pair {'was' if len(shown) == 1 else 'were'} "
+        f"written outside every collage-compiled step ({why}): an update that ran eagerly "
+        f"(an EMA or optimizer step not compiled with the backend: plain low precision), or "
+        f"a write such as load_state_dict, fill_ or copy_. Its lo belonged to the old "
+        f"values and restarts from zero. To keep lo across a load use collage_compile.attach "
+        f"or collage_compile.set_value; compile every update with the backend.",
+        stacklevel=3,
+    )
+
+
+# ----------------------------------------------------------------- input that cannot be upgraded
+
+
+def _check_input(optimizer: Any) -> None:
+    """Warnings for what no graph can upgrade (fused kernels, complex32, sparse gradients,
+    an untraceable Adafactor); runs eagerly before every step, cheap after the first."""
+    for g, group in enumerate(optimizer.param_groups):
+        low = False
+        for i, p in enumerate(group["params"]):
+            dtype = getattr(p, "dtype", None)
+            if dtype == torch.complex32:
+                _warn_param("complex", type(optimizer).__name__, g, i, tuple(p.shape))
+            elif dtype in LOW_PRECISION:
+                low = True
+                grad = p.grad
+                if grad is not None and grad.layout != torch.strided:
+                    _warn_param("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
+        if not low:
+            continue
+        if group.get("fused"):
+            _warn_fused(type(optimizer).__name__)
+            return
+        if isinstance(optimizer, torch.optim.Adafactor) and not (
+            group.get("foreach") and _compat.captures_scalar_outputs()
+        ):
+            _warn_untraced(type(optimizer).__name__)
+            return
+
+
+_PARAM_REASONS = {
+    "complex": "is complex32: a (hi, lo) pair is real-valued, so its updates run as written, "
+    "in plain fp16 complex arithmetic (updates below half an ulp are lost)",
+    "sparse": "has a sparse gradient: Dynamo does not trace sparse tensors, so this step runs "
+    "eagerly and the parameter is updated in plain low precision (updates below half an ulp "
+    "are lost); use a dense gradient (e.g. nn.Embedding(sparse=False)) to have it upgraded",
+}
+
+
+def _warn_param(kind: str, opt: str, group: int, index: int, shape: tuple[int, ...]) -> None:
+    warn_once(
+        (kind, opt, str(group), str(index)),
+        f"collage: {opt} param_groups[{group}].params[{index}] {shape} {_PARAM_REASONS[kind]}",
+        stacklevel=5,
+    )
+
+
+def _warn_fused(name: str) -> None:
+    warn_once(
+        ("fused", name),
+        f"collage: {name}(fused=True) runs one opaque kernel that torch.compile does not trace, "
+        f"so its bf16/fp16 parameters are updated in plain low precision (updates below half "
+        f"an ulp are lost); construct it with foreach=True (or foreach=False) to have collage "
+        f"upgrade it",
+        stacklevel=5,
+    )
+
+
+def _warn_untraced(name: str) -> None:
+    warn_once(
+        ("untraced", name),
+        f"collage: {name}.step calls Tensor.item(), so torch.compile skips it (it runs eagerly "
+        f"and its bf16/fp16 parameters are updated in plain low precision) unless "
+        f"torch._dynamo.config.capture_scalar_outputs = True and the optimizer is built with "
+        f"foreach=True (its single-tensor path then fails in Inductor's lerp lowering)",
+        stacklevel=5,
+    )
