@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import collage_compile
-from collage_compile import _compat, metrics, report, state
+from collage_compile import _compat, metrics, report, state, watch
 
 # Two cores: keep intra-op threads from oversubscribing while gcc compiles kernels.
 torch.set_num_threads(2)
@@ -23,6 +23,7 @@ def _fresh_state():
     state.clear()
     report.reset_warnings()
     metrics.reset_metrics()
+    watch.reset()
     yield
     _compat.reset_dynamo()
 

@@ -146,11 +146,10 @@ class GraphModule(torch.nn.Module):
         step_size_neg: "f32[]" = step_size.neg();  step_size = None
         bias_correction2_sqrt: "f32[]" = bias_correction2.sqrt();  bias_correction2 = None
         sqrt_1: "bf16[2, 3]" = exp_avg_sq.sqrt();  exp_avg_sq = None
-        mul_1: "f32[]" = bias_correction2_sqrt * step_size_neg;  bias_correction2_sqrt = None
-        truediv_1: "bf16[2, 3]" = sqrt_1 / mul_1;  sqrt_1 = mul_1 = None
-        truediv_2: "f32[]" = 1e-08 / step_size_neg;  step_size_neg = None
-        denom: "bf16[2, 3]" = truediv_1.add_(truediv_2);  truediv_1 = truediv_2 = None
-        chain_default = torch.ops.collage.chain.default('chain_0', [x, collage_lo_x, exp_avg, denom]);  exp_avg = denom = None
+        truediv = sqrt_1 / bias_correction2_sqrt;  sqrt_1 = bias_correction2_sqrt = None
+        add = truediv + 1e-08;  truediv = None
+        truediv_3: "bf16[2, 3]" = add / step_size_neg;  add = step_size_neg = None
+        chain_default = torch.ops.collage.chain.default('chain_0', [x, collage_lo_x, exp_avg, truediv_3]);  exp_avg = truediv_3 = None
         getitem: "bf16[2, 3]" = chain_default[0]
         getitem_1: "bf16[2, 3]" = chain_default[1];  chain_default = None
         copy__1 = x.copy_(getitem);  x = getitem = copy__1 = None

@@ -1,0 +1,216 @@
+"""Never a silent fallback: a step that runs without a collage graph is named to the user.
+
+Each test forces one way a compensated optimizer or EMA can end up stepped in plain low
+precision (an uncompiled ``opt.step``, ``torch.compiler.disable``, an update left to eager
+inside the step, Dynamo's recompile limit, an EMA updated eagerly) and asserts exactly one
+:class:`collage_compile.CollageWarning` naming it; a normal scheduled run gives none.  After
+an eager optimizer step the pair's lo is kept (the step was a valid plain update of hi; lo
+still holds what earlier steps left in it), and the next compiled step resumes from it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import collage_compile
+from collage_compile import state
+
+Warning = collage_compile.CollageWarning
+
+
+def _setup(steps: int = 3):
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    for _ in range(steps):
+        _grad(p, g)
+        step()
+    return p, opt, step, g
+
+
+def _grad(p, g):
+    p.grad = (0.01 * torch.randn(p.shape, generator=g)).to(p.dtype)
+
+
+def _collage_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, Warning)]
+
+
+def test_a_normal_scheduled_run_with_an_ema_gives_no_warning():
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-4, total_steps=40)
+    collage_compile.compile_optimizer(opt)
+    step = opt.step
+    ema = [p.detach().clone()]
+    ema_update = torch.compile(
+        lambda: torch._foreach_lerp_(ema, [p.detach()], 0.01), backend=collage_compile.backend
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)
+        for _ in range(40):
+            _grad(p, g)
+            step()
+            sched.step()
+            ema_update()
+    assert collage_compile.components(ema[0])[1] is not None
+
+
+def test_an_uncompiled_step_is_named_and_keeps_lo():
+    p, opt, step, g = _setup()
+    lo_before = state.get_lo(p).clone()
+    _grad(p, g)
+    with pytest.warns(
+        Warning, match=r"AdamW\.step ran without a graph compiled by the collage"
+    ) as rec:
+        opt.step()  # the uncompiled step
+    (msg,) = _collage_warnings(rec)
+    assert "1 of its 1 parameters" in msg and "uncompiled call of opt.step" in msg
+    # kept: the same lo, now the lo of the new hi; the next compiled step does not drop it
+    assert torch.equal(collage_compile.components(p)[1], lo_before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)  # no "outside write" for an eager step
+        _grad(p, g)
+        step()
+    assert not torch.equal(state.get_lo(p), lo_before)  # and it went on upgrading
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        _grad(p, g)
+        opt.step()
+    assert not _collage_warnings(again)  # once per optimizer
+
+
+def test_compiler_disable_around_the_step_is_named():
+    p, _opt, step, g = _setup()
+    _grad(p, g)
+    with pytest.warns(Warning, match=r"AdamW\.step ran without a graph") as rec:
+        torch.compiler.disable(step)()
+    assert len(_collage_warnings(rec)) == 1
+
+
+class _LoggingSGD(torch.optim.Optimizer):
+    """SGD that reads each update's size on the host (a graph break inside its loop over
+    parameters: Dynamo cannot resume there, skips the frame and runs it eagerly)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        self.sizes = []
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.sizes.append(p.grad.norm().item())
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_graph_break_that_leaves_the_step_to_eager_is_named():
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, generator=g).to(torch.bfloat16)) for _ in range(2)]
+    opt = _LoggingSGD(ps, lr=1e-4)
+    # the same update, compiled without the host read: both parameters get their pair
+    plain_sgd = torch.compile(
+        lambda: [p.add_(p.grad, alpha=-1e-4) for p in ps], backend=collage_compile.backend
+    )
+    for p in ps:
+        _grad(p, g)
+    with torch.no_grad():
+        plain_sgd()
+    opt.step()  # an eager step before the watch has a window for this optimizer: not judged
+    assert all(state.get_lo(p) is not None for p in ps)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+    for p in ps:
+        _grad(p, g)
+    with pytest.warns(Warning, match=r"_LoggingSGD\.step ran without a graph") as rec:
+        step()
+    assert "2 of its 2 parameters" in _collage_warnings(rec)[0]
+
+
+def test_the_recompile_limit_is_named_once():
+    p, opt, step, g = _setup(1)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for k in range(4):  # maximize toggled: a bool guard no backend can make dynamic
+            opt.param_groups[0]["maximize"] = bool(k % 2 == 0)
+            _grad(p, g)
+            step()
+    msgs = _collage_warnings(rec)
+    assert len(msgs) == 1, msgs
+    assert "hit config.recompile_limit (1)" in msgs[0] and "'step'" in msgs[0]
+    assert "plain low precision" in msgs[0]
+
+
+def test_an_ema_updated_eagerly_is_named_and_its_lo_is_not_used():
+    p, _opt, step, g = _setup(0)
+    ema = [p.detach().clone()]
+
+    def ema_update():
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p], 0.01)
+
+    compiled = torch.compile(ema_update, backend=collage_compile.backend)
+    for _ in range(3):
+        _grad(p, g)
+        step()
+        compiled()
+    assert collage_compile.components(ema[0])[1] is not None
+    ema_update()  # eagerly: plain bf16
+    # value() no longer adds a lo that belonged to the old values
+    assert collage_compile.components(ema[0])[1] is None
+    assert torch.equal(collage_compile.value(ema[0]), ema[0].float())
+    with pytest.warns(Warning, match="written outside every collage-compiled step") as rec:
+        _grad(p, g)
+        step()  # the optimizer's post-step check finds it
+    assert len(_collage_warnings(rec)) == 1
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW], ids=lambda c: c.__name__)
+def test_lr_zero_writes_no_nan(cls, amsgrad, foreach):
+    """Hugging Face's warmup starts at lr = 0.0.  Adam's traced single-tensor formula
+    divides by the step size (PyTorch issue 126514): 0 / -0.0 = NaN wherever the second
+    moment is 0 (embedding rows no token hit), in plain Inductor.  The intended update is 0:
+    after a step at lr = 0, every weight is unchanged; then the run trains normally."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Parameter((torch.randn(16, 8, generator=g) * 0.02).to(torch.bfloat16))
+    start = emb.detach().clone()
+
+    def grads():
+        gr = 0.01 * torch.randn(16, 8, generator=g)
+        gr[:5] = 0  # rows no token hit
+        return gr.to(torch.bfloat16)
+
+    decay = 0.1 if cls is torch.optim.AdamW else 0.0  # Adam's would be part of the gradient
+
+    def run(backend):
+        w = torch.nn.Parameter(start.clone())
+        opt = cls([w], lr=0.0, weight_decay=decay, amsgrad=amsgrad, foreach=foreach)
+        step = torch.compile(opt.step, backend=backend)
+        w.grad = grads()
+        step()
+        return w, opt, step
+
+    w, opt, step = run(collage_compile.backend)
+    assert not collage_compile.value(w).isnan().any()
+    assert torch.equal(collage_compile.value(w), start.float())
+    shrink = 1.0
+    for k in range(5):  # the warmup goes on: finite, and rows without gradient only decay
+        lr = 1e-4 * (k + 1)
+        opt.param_groups[0]["lr"] = lr
+        shrink *= 1 - lr * decay
+        w.grad = grads()
+        step()
+    value = collage_compile.value(w).double()
+    assert torch.isfinite(value).all()
+    expected = start[:5].double() * shrink
+    assert (value[:5] - expected).abs().max() <= 2**-16 * start.abs().max()
+    assert not torch.equal(value[5:], start[5:].double())
+    plain, _, _ = run("inductor")
+    if not foreach and collage_compile._compat.torch_version().startswith("2.13"):
+        assert plain.isnan().any()  # the hazard this guards against, as torch 2.13 compiles it

@@ -1,0 +1,193 @@
+"""Learning-rate schedules: compiled once or twice, never per value, and compensated throughout.
+
+A scheduler changes ``param_groups[i]['lr']`` (and, for CyclicLR/OneCycleLR, AdamW's betas)
+as a Python float every step.  Dynamo compiles the step first with the initial values as
+constants, then, at the first change, once more with every changed float as a graph input
+(its "automatic dynamic"); the backend must then keep them dynamic (``passes/scalars.py``:
+nothing it emits may specialize them), or every new value recompiles until the recompile
+limit and the step runs eagerly in plain bf16.
+
+Each test: AdamW (Collage-plus) on bf16 weights, a stream of gradients, 200 steps of one of
+``torch.optim.lr_scheduler``'s schedulers, the step compiled with the backend, and the same
+optimizer, gradients and schedule run in float64 and in eager plain bf16.  Asserted: the
+step compiled at most twice, no CollageWarning, collage's ``value()`` within 3 % of float64
+(relative to the float64 run's movement) and plain bf16 far off on the same stream.
+``tests/test_all_optimizers.py`` runs every other optimizer under a changing schedule.
+``python -m pytest tests/test_schedules.py -s`` prints the table.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch._dynamo.testing
+from conftest import relative_error
+
+import collage_compile
+
+STEPS = 200
+WARMUP = 20
+
+
+def _warmup_cosine(step: int) -> float:
+    """Hugging Face's get_cosine_schedule_with_warmup: from exactly 0, linear, then cosine."""
+    if step < WARMUP:
+        return step / WARMUP
+    return 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
+
+
+S = torch.optim.lr_scheduler
+SCHEDULERS = {
+    "LambdaLR-warmup-cosine-from-0": lambda o: S.LambdaLR(o, _warmup_cosine),
+    "StepLR": lambda o: S.StepLR(o, step_size=50, gamma=0.5),
+    "MultiStepLR": lambda o: S.MultiStepLR(o, milestones=[60, 120], gamma=0.3),
+    "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=40),
+    "LinearLR": lambda o: S.LinearLR(o, start_factor=0.1, total_iters=STEPS),
+    "ExponentialLR": lambda o: S.ExponentialLR(o, gamma=0.99),
+    "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=STEPS, power=2.0),
+    "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=STEPS),
+    "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, T_0=50),
+    "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda _: 0.995),
+    "CyclicLR-betas": lambda o: S.CyclicLR(o, base_lr=1e-5, max_lr=1e-4, step_size_up=25),
+    "OneCycleLR-betas": lambda o: S.OneCycleLR(o, max_lr=1e-4, total_steps=STEPS),
+    "SequentialLR": lambda o: S.SequentialLR(
+        o,
+        [S.LinearLR(o, start_factor=0.01, total_iters=WARMUP), S.CosineAnnealingLR(o, STEPS)],
+        milestones=[WARMUP],
+    ),
+    "ChainedScheduler": lambda o: S.ChainedScheduler(
+        [S.ConstantLR(o, factor=0.5, total_iters=30), S.ExponentialLR(o, gamma=0.995)]
+    ),
+    "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, factor=0.5, patience=10),
+}
+
+
+def _params(dtype, seed=0):
+    """The same bf16 start in every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16).to(dtype))
+        for s in [(24, 16), (16,)]
+    ]
+
+
+def train(make_opt, make_sched, backend, dtype=torch.bfloat16, steps=STEPS, foreach=None):
+    """``steps`` steps of ``make_opt`` under ``make_sched`` on ``dtype`` weights (the step
+    compiled with ``backend`` when given); returns (params, start, frames compiled)."""
+    params = _params(dtype)
+    start = [p.detach().double().clone() for p in params]
+    opt = make_opt(params, foreach)
+    sched = make_sched(opt)
+    counter = None
+    step = opt.step
+    if backend is not None:
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        step = torch.compile(opt.step, backend=counter)
+    g = torch.Generator().manual_seed(1)
+    for k in range(steps):
+        for p in params:
+            p.grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(dtype)
+        step()
+        if isinstance(sched, S.ReduceLROnPlateau):
+            sched.step(1.0 if k > 30 else 1.0 - k / 100)  # improves, then plateaus
+        else:
+            sched.step()
+    frames = counter.frame_count if counter is not None else None
+    return params, start, frames
+
+
+def _adamw(params, foreach):
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=foreach)
+
+
+# plus mode: AdamW's second moment carries a pair too (bf16(0.999) == 1, so in plain bf16
+# it never decays and the updates' size drifts from float64's; light mode is compared with a
+# float64 shadow fed its own state in test_all_optimizers)
+PLUS = collage_compile.make_backend(mode="plus")
+
+
+def _errors(make_opt, make_sched, foreach=None, backend=None):
+    backend = backend or PLUS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        params, start, frames = train(make_opt, make_sched, backend, foreach=foreach)
+    ref, _, _ = train(make_opt, make_sched, None, dtype=torch.float64, foreach=False)
+    plain, _, _ = train(make_opt, make_sched, None, foreach=foreach)
+
+    def flat(ts, value=False):
+        return torch.cat(
+            [(collage_compile.value(t) if value else t.detach()).double().flatten() for t in ts]
+        )
+
+    target, origin = flat(ref), torch.cat([s.flatten() for s in start])
+    err = relative_error(flat(params, value=True), target, origin)
+    plain_err = relative_error(flat(plain), target, origin)
+    return err, plain_err, frames, params
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_schedule_compiles_at_most_twice_and_stays_compensated(name):
+    err, plain_err, frames, params = _errors(_adamw, SCHEDULERS[name])
+    print(f"{name:32s} compiles {frames}  collage {err:.2e}  plain bf16 {plain_err:.2f}")
+    assert frames <= 2
+    assert err <= 0.03
+    assert plain_err >= max(0.5, 10 * err)
+    assert all(collage_compile.components(p)[1] is not None for p in params)
+
+
+@pytest.mark.parametrize("name", ["LambdaLR-warmup-cosine-from-0", "OneCycleLR-betas"])
+def test_schedule_on_the_foreach_path(name):
+    """The foreach path (CUDA's default) consumes lr in foreach ops whose Scalar overloads
+    plain Inductor specializes; every optimizer's foreach path is in test_all_optimizers."""
+    err, plain_err, frames, _ = _errors(_adamw, SCHEDULERS[name], foreach=True)
+    print(f"{name:32s} foreach compiles {frames}  collage {err:.2e}  plain {plain_err:.2f}")
+    assert frames <= 2
+    assert err <= 0.03
+    assert plain_err >= max(0.5, 10 * err)
+
+
+def test_an_ema_decay_schedule_stays_dynamic():
+    """An EMA of the weights whose decay warms up (``min(0.999, 1 - 0.5 / (1 + k))``, a
+    Python float passed each step) tracks a float64 EMA of the same weights, compiled at most
+    three times: the initial value, the first change, and once more when the lerp weight
+    ``1 - decay`` drops below 1/2 (Dynamo's ``_foreach_lerp_`` takes one of two formulas by
+    it, so that is a range guard, not a value guard)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        torch.nn.Parameter((4 * torch.randn(24, 16, generator=g)).to(torch.bfloat16))
+        for _ in range(2)
+    ]
+    ema = [w.detach().clone() for w in weights]
+    ema64 = [w.double() for w in ema]
+    plain = [w.clone() for w in ema]
+    start = torch.cat([e.double().flatten() for e in ema])
+
+    @torch.no_grad()
+    def update(decay: float) -> None:
+        torch._foreach_lerp_(ema, weights, 1.0 - decay)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend(collage_compile.backend)
+    compiled = torch.compile(update, backend=counter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for k in range(STEPS):
+            with torch.no_grad():
+                for w in weights:  # the weights drift, as training moves them
+                    w.add_(0.002 + 0.0005 * torch.randn(w.shape, generator=g))
+                decay = min(0.999, 1.0 - 0.5 / (1 + k))
+                compiled(decay)
+                torch._foreach_lerp_(ema64, [w.double() for w in weights], 1.0 - decay)
+                torch._foreach_lerp_(plain, [w.detach() for w in weights], 1.0 - decay)
+    value = torch.cat([collage_compile.value(e).double().flatten() for e in ema])
+    target = torch.cat([e.flatten() for e in ema64])
+    err = relative_error(value, target, start)
+    plain_err = relative_error(torch.cat([e.double().flatten() for e in plain]), target, start)
+    print(
+        f"EMA decay warmup: compiles {counter.frame_count}  collage {err:.2e}  plain {plain_err:.2f}"
+    )
+    assert counter.frame_count <= 3
+    assert err <= 0.03
+    assert plain_err >= max(0.3, 10 * err)

@@ -1,0 +1,102 @@
+"""Hugging Face ``transformers.Trainer`` adopts collage with one callback.
+
+A tiny Llama built from a config in the test (no download), bf16 weights, the Trainer's own
+defaults where a user leaves them: its fused AdamW (switched to the traceable form by the
+callback before the first step), gradient clipping at 1.0, and a cosine schedule whose
+warmup starts at lr = 0 (Adam's compiled formula divides by the step size: embedding rows
+no token hits must not turn NaN).  Compared with the same Trainer run on fp32 weights
+(fp32 master, the baseline) and on bf16 weights without collage (plain bf16).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import collage_compile
+
+transformers = pytest.importorskip("transformers")
+from collage_compile.hf import CollageCallback  # noqa: E402
+
+VOCAB = 256  # more rows than the batches hit: some embedding rows get no gradient
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).to(torch.float32)  # every run starts from bf16 values
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(64):
+        ids = torch.randint(0, VOCAB // 2, (16,), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def _train(base, dtype, callbacks, out_dir):
+    model = copy.deepcopy(base).to(dtype)
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=24,
+        per_device_train_batch_size=4,
+        learning_rate=1e-4,
+        warmup_steps=4,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1000,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_data(), callbacks=callbacks
+    )
+    trainer.train()
+    return model, trainer
+
+
+def test_trainer_with_collage_callback_tracks_fp32_master(tmp_path):
+    base = _model()
+    ref, _ = _train(base, torch.float32, [], tmp_path / "fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        collage, trainer = _train(base, torch.bfloat16, [CollageCallback()], tmp_path / "collage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", collage_compile.CollageWarning)  # plain fused: warned
+        plain, _ = _train(base, torch.bfloat16, [], tmp_path / "bf16")
+    inner = trainer.optimizer.optimizer
+    assert inner.param_groups[0]["fused"] is False  # the Trainer's default, switched
+    assert getattr(inner.step, "_collage_compiled", False)
+
+    def error(model, value):
+        num = den = 0.0
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            start = dict(base.named_parameters())[name].detach().double()
+            w = (collage_compile.value(p) if value else p.detach()).double()
+            num += ((w - r.detach().double()) ** 2).sum().item()
+            den += ((r.detach().double() - start) ** 2).sum().item()
+        return (num / den) ** 0.5
+
+    assert all(torch.isfinite(collage_compile.value(p)).all() for p in collage.parameters())
+    err, plain_err = error(collage, True), error(plain, False)
+    print(f"Trainer, vs fp32 master: collage {err:.2e}  plain bf16 {plain_err:.2f}")
+    assert err <= 0.03
+    assert plain_err >= max(0.3, 10 * err)
