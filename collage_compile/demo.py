@@ -4,7 +4,8 @@
     python examples/train_gpt.py --steps 1000 --lr 3e-4 --data my.txt --device cuda
 
 A byte-level GPT (nanoGPT-style: causal self-attention, MLP, LayerNorm, tied embeddings; no
-biases) is trained with a stock ``torch.optim.AdamW`` four ways:
+biases) is trained with a stock ``torch.optim.AdamW`` under a warmup + cosine ``LambdaLR``
+stepped every step (``--schedule constant`` for a fixed lr), four ways:
 
 ================  ==========================================================================
 ``fp32-master``   bf16 model, fp32 master weights and fp32 AdamW state: the (16, 32) baseline
@@ -162,6 +163,8 @@ def get_batch(
 class Settings:
     steps: int
     lr: float
+    schedule: str
+    warmup: int
     beta1: float
     beta2: float
     weight_decay: float
@@ -176,6 +179,23 @@ class Settings:
     compile_forward: bool
     seed: int
     device: str
+
+
+def lr_factor(s: Settings) -> Callable[[int], float]:
+    """The learning rate's multiplier at each step: a linear warmup to the peak over
+    ``warmup`` steps (starting at 1/warmup, like LinearLR, not at 0: the fp32-master
+    baseline is plain Inductor, whose compiled AdamW writes NaN at lr = 0), then a cosine
+    decay to a tenth of the peak ("cosine"), or the peak throughout ("constant")."""
+
+    def factor(step: int) -> float:
+        if s.schedule == "constant":
+            return 1.0
+        if step < s.warmup:
+            return (step + 1) / s.warmup
+        progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
 
 
 def param_groups(params: dict[str, torch.Tensor], wd: float) -> list[dict[str, Any]]:
@@ -227,6 +247,7 @@ def train_one(
         # runs forward and backward, and gets the rounded masters after every step
         masters = {k: p.detach().float().requires_grad_() for k, p in params.items()}
         opt = torch.optim.AdamW(param_groups(masters, s.weight_decay), **adamw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(s))
         compiled = torch.compile(opt.step, backend="inductor")
         model_p, master_p = list(params.values()), list(masters.values())
 
@@ -241,6 +262,7 @@ def train_one(
         persistent = lambda: list(params.values()) + master_p + _state(opt)
     else:
         opt = torch.optim.AdamW(param_groups(params, s.weight_decay), **adamw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(s))
         backend = collage_compile.make_backend(mode=MODES[strategy], metrics=s.metrics)
         opt_step = torch.compile(opt.step, backend=backend)
         persistent = lambda: list(params.values()) + _state(opt)
@@ -305,6 +327,7 @@ def train_one(
         opt_step()
         _sync(dev)
         t2 = time.perf_counter()
+        sched.step()
         step_ms.append(1e3 * (t2 - t0))
         opt_ms.append(1e3 * (t2 - t1))
         step_loss.append(loss.item())
@@ -522,7 +545,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Train a small byte-level GPT with each precision strategy side by side.",
     )
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    ap.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="cosine: linear warmup, then cosine decay to lr/10 (default); constant: lr",
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="warmup steps (default: a tenth of --steps)"
+    )
     ap.add_argument("--beta1", type=float, default=0.9)
     ap.add_argument("--beta2", type=float, default=0.999)
     ap.add_argument("--weight-decay", type=float, default=0.1)
@@ -559,6 +591,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _describe_schedule(s: Settings) -> str:
+    if s.schedule == "constant":
+        return "constant"
+    return f"peak; {s.warmup}-step warmup, cosine to lr/10"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line (``collage-demo``): run the demo, print the table, write the files."""
     run(argv)
@@ -577,6 +615,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     s = Settings(
         steps=args.steps,
         lr=args.lr,
+        schedule=args.schedule,
+        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
         beta1=args.beta1,
         beta2=args.beta2,
         weight_decay=args.weight_decay,
@@ -606,7 +646,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     header = (
         f"byte-level GPT, {n_params / 1e6:.2f}M params ({s.n_layer} layers, {s.n_embd} wide, "
         f"{s.n_head} heads, context {s.block_size}), bf16 weights at GPT-2 init scale (0.02)\n"
-        f"AdamW lr={s.lr:g} (constant), betas=({s.beta1:g}, {s.beta2:g}), "
+        f"AdamW lr={s.lr:g} ({_describe_schedule(s)}), betas=({s.beta1:g}, {s.beta2:g}), "
         f"weight_decay={s.weight_decay:g}; {s.steps} steps of {s.batch_size}x{s.block_size} "
         f"bytes, seed {s.seed}, {s.device}, torch {torch.__version__}\n"
         f"data: {data_desc}"
