@@ -17,7 +17,9 @@ bit-identical to ``backend="inductor"``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,7 +35,7 @@ from collage_compile.metrics import GraphMetrics, Row
 
 log = logging.getLogger("collage_compile")
 
-__all__ = ["backend", "compile_graph", "make_backend"]
+__all__ = ["backend", "compile_graph", "make_backend", "uuid"]
 
 
 def make_backend(**options: Any) -> Callable[..., Any]:
@@ -85,6 +87,15 @@ def _config_cached(items: tuple[tuple[str, Any], ...]) -> CollageConfig:
 
 def _config_for(options: dict[str, Any] | None) -> CollageConfig:
     return _config_cached(tuple(sorted((options or {}).items())))
+
+
+def uuid(config: CollageConfig) -> str:
+    """A stable hash of every configuration field and of the source of every pass: what a
+    cache of compiled steps must key on (as vLLM's pass manager keys its own)."""
+    from collage_compile import passes
+
+    text = repr(dataclasses.astuple(config)) + passes.uuid()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _may_alias_a_pair(acc: Accumulator) -> bool:

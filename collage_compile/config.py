@@ -1,9 +1,9 @@
-"""Backend configuration: one frozen dataclass, every field part of the cache key."""
+"""Backend configuration: one frozen dataclass (:func:`collage_compile.compiler.uuid` hashes
+every field with the passes' source).  A leaf: it imports nothing of ours."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any
 
 MODES = ("light", "plus", "all", "off")
@@ -69,10 +69,3 @@ class CollageConfig:
         if unknown:
             raise TypeError(f"collage: unknown option(s) {unknown}; known: {sorted(names)}")
         return cls(**merged)
-
-    def uuid(self) -> str:
-        """A stable hash of every field (and the pass list), for cache keys."""
-        from collage_compile import passes
-
-        text = repr(dataclasses.astuple(self)) + passes.uuid()
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
