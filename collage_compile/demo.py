@@ -668,7 +668,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if any(r["metrics_in_step"] for r in results):
         notes.append(
             "* compiled with metrics=True (EDQ measured inside the optimizer step), which "
-            "costs optimizer time on CPU (README: 1.9x in light mode); --no-metrics times "
+            "costs optimizer time on CPU (docs/metrics.md); --no-metrics times "
             "the steps without it."
         )
     if s.metrics:
