@@ -30,29 +30,74 @@ def current_frame() -> str | None:
 
 
 def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
-    """Call ``fn(optimizer)`` eagerly after every ``torch.optim`` step, compiled or not.
+    """Call ``fn(optimizer)`` after every ``torch.optim`` step, compiled or not, at run time.
 
     torch.optim's step wrapper calls ``self._optimizer_step_code()`` (an empty method, the
-    profiler's entry point) right after the step, outside any loop; ours calls ``fn``
-    through ``torch.compiler.disable`` and then the original.  A compiled step therefore
-    graph-breaks there, after its update, and runs ``fn`` eagerly; Dynamo resumes after it.
-    A global step post-hook would not do: torch.optim calls those inside a loop, where a
-    graph break makes Dynamo skip the whole wrapper frame and trace the step on its own,
-    which changes what it compiles (checked on 2.13: foreach Adam under ``dynamic=True``
-    then fails in Dynamo).  Checked on 2.11 and 2.13 (``Optimizer.profile_hook_step``)."""
+    profiler's entry point) right after the step.  Ours first calls the custom op
+    ``collage::optimizer_stepped(id(self), ticks)``, whose implementation calls ``fn``:
+    eagerly it runs there and then; traced by Dynamo it becomes a node of the graph (it
+    mutates ``ticks``, a counter, so no pass may drop it), executed on every call of the
+    compiled step.  No graph break, no guard beyond the optimizer's identity, which Dynamo
+    guards anyway: ``fullgraph=True`` keeps working, for every backend.  (A global step
+    post-hook would not do: one that runs eagerly needs ``torch.compiler.disable``, a
+    graph break inside the hook loop, which makes Dynamo skip the wrapper frame and trace
+    the step alone, and fails ``fullgraph=True``.)  Checked on 2.13 and written for 2.11
+    (``Optimizer.profile_hook_step``, ``Optimizer._patch_step_function``,
+    ``torch.library.custom_op``)."""
+    import gc
+    import weakref
+
     cls = torch.optim.Optimizer
     original = cls._optimizer_step_code
     if getattr(original, "_collage", False):
         return
-    eager = torch.compiler.disable(fn)
+    # id -> optimizer: the op gets the id (a constant in a compiled graph) and finds the
+    # object here.  Every optimizer is entered when it is built (``__init__`` and
+    # ``__setstate__`` call ``_patch_step_function``) or, if it already exists, now.
+    optimizers: dict[int, Any] = {}
+    ticks = torch.zeros((), dtype=torch.int64)
+
+    def enter(optimizer: Any) -> None:
+        key = id(optimizer)
+        optimizers[key] = weakref.ref(optimizer, lambda _, key=key: optimizers.pop(key, None))
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), cls):  # type(), not isinstance: no __class__ property runs
+            enter(obj)
+    patch_step = cls._patch_step_function
+
+    def _patch_step_function(self: Any) -> None:
+        enter(self)
+        patch_step(self)
+
+    @torch.library.custom_op("collage::optimizer_stepped", mutates_args=("ticks",))
+    def optimizer_stepped(key: int, ticks: torch.Tensor) -> None:
+        ticks.add_(1)
+        ref = optimizers.get(key)
+        optimizer = ref() if ref is not None else None
+        if optimizer is not None:
+            fn(optimizer)
+
+    @optimizer_stepped.register_fake
+    def _(key: int, ticks: torch.Tensor) -> None:
+        return None
 
     def _optimizer_step_code(self: Any) -> None:
-        eager(self)
+        optimizer_stepped(id(self), ticks)
         original(self)
 
     _optimizer_step_code._collage = True  # type: ignore[attr-defined]
     _optimizer_step_code.__doc__ = original.__doc__
     cls._optimizer_step_code = _optimizer_step_code  # type: ignore[method-assign]
+    cls._patch_step_function = _patch_step_function  # type: ignore[method-assign]
+
+
+def is_step_tick_graph(gm: fx.GraphModule) -> bool:
+    """A graph that only calls ``collage::optimizer_stepped`` (what Dynamo captures after a
+    torch.optim step's own graph break: see :func:`after_every_optimizer_step`)."""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    op = getattr(getattr(torch.ops, "collage", None), "optimizer_stepped", None)
+    return bool(calls) and op is not None and all(n.target is op.default for n in calls)
 
 
 def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:

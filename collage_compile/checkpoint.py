@@ -13,7 +13,8 @@ its tensor, so ``Optimizer.load_state_dict``'s cast to the param's dtype could n
 even if it saw it) and ``load_state_dict`` restores them.  Each lo travels with a checksum of
 the hi it belongs to: a lo restored before its weights are loaded (``opt.load_state_dict``
 then ``model.load_state_dict``) is checked against the weights on the next compiled step,
-and dropped (zeroed, debug log) if they are not the ones it was saved with.
+and dropped (zeroed, with a CollageWarning naming it) if they are not the ones it was saved
+with.
 
 Keys: each low-precision parameter's optimizer state entry gains ``"collage_lo"``,
 ``"collage_lo.<name>"`` for each low-precision state tensor ``<name>`` and ``"collage_hi"``

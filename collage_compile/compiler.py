@@ -109,6 +109,8 @@ def compile_graph(
     from collage_compile import modes, passes, rewrite
 
     watch.install()
+    if _compat.is_step_tick_graph(gm):
+        return gm.forward  # the optimizer watch's call after a step: nothing to compile
     names.learn(gm, list(example_inputs))
     original = gm
     gm = _compat.copy_graph_module(gm)
@@ -339,12 +341,14 @@ class _LoInputs:
             call_los[slot] = lo
         if outside:
             watch.outside_writes([n for n, _ in outside], outside[0][1], key=str(id(self)))
-        # Dynamo calls a backend's result with positional arguments (never boxed)
-        out = self.compiled(*args, *call_los)
         wrote = self._written_ids
         if self._written_inputs:
             wrote = wrote | {id(args[i]) for i in self._written_inputs}
+        # before the call: an optimizer step compiled into this graph checks it from inside
         watch.record_call(wrote)
+        with watch.in_call:
+            # Dynamo calls a backend's result with positional arguments (never boxed)
+            out = self.compiled(*args, *call_los)
         if self.metrics is not None:
             # the last output is the metrics' sums (rewrite.add_metrics_output)
             self.metrics.record(out[-1], args)

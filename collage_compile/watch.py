@@ -6,18 +6,18 @@ backend update it.  When something else does (``opt.step`` called uncompiled,
 recompile limit, another backend), the update is plain low precision and the user must
 hear about it.  Three watchers, installed once when the backend is first asked for:
 
-1. **Optimizer steps.**  A check that runs eagerly after every optimizer step, compiled or
-   not, and adds no guard to any graph (:func:`_compat.after_every_optimizer_step`: a
-   ``torch.compiler.disable``-d call where torch.optim's step wrapper calls its profiler
-   entry point, right after the step).  Every call of a collage graph adds the tensors it wrote to each
-   optimizer's window; the hook compares the window with the optimizer's parameters that
-   carry a pair and have a gradient.  One no collage graph wrote was stepped without one:
-   a :class:`CollageWarning` names the optimizer, the parameters and the likely cause.
-   Their lo is *kept*: the eager step was a valid plain update of hi, and lo still holds
-   what earlier steps left in it (zeroing it would lose that too), so the next compiled
-   step resumes from hi + lo.  The hook also warns about input no graph can upgrade
-   (``fused=True``, complex32, sparse gradients, an untraceable Adafactor).  Cost per step:
-   a few set operations, whatever the model size.
+1. **Optimizer steps.**  A check that runs after every optimizer step, compiled or not,
+   without a graph break or a guard (:func:`_compat.after_every_optimizer_step`: a custom
+   op where torch.optim's step wrapper calls its profiler entry point, recorded into the
+   compiled step and executed on every call).  Every call of a collage graph first adds
+   the tensors it writes to each optimizer's window; the check compares the window with
+   the optimizer's parameters that carry a pair and have a gradient.  One no collage graph
+   wrote was stepped without one: a :class:`CollageWarning` names the optimizer, the
+   parameters and the likely cause.  Their lo is *kept*: the eager step was a valid plain
+   update of hi, and lo still holds what earlier steps left in it (zeroing it would lose
+   that too), so the next compiled step resumes from hi + lo.  The check also warns about
+   input no graph can upgrade (``fused=True``, complex32, sparse gradients, an untraceable
+   Adafactor).  Cost per step: a few set operations, whatever the model size.
 2. **Dynamo's recompile limit.**  When Dynamo gives up on a function whose graphs the
    backend compiled (its ``recompile_limit`` warning), a CollageWarning names the tensors
    those graphs upgrade: calls that match none of the compiled graphs now run eagerly.
@@ -77,8 +77,25 @@ def install() -> None:
         _installed = True
 
 
+class _InCall:
+    """Counts collage graph calls in progress: a step's check that runs inside one (the
+    optimizer step and the check in one graph) must not read the version counters of the
+    tensors that call is writing, which it stamps only when it returns."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _InCall.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _InCall.depth -= 1
+
+
+in_call = _InCall()
+
+
 def record_call(ids: frozenset[int]) -> None:
-    """A collage graph wrote the tensors with these ids (called on every graph call)."""
+    """A collage graph is writing the tensors with these ids (called before every call)."""
     for opt, window in list(_windows.items()):
         window.append(ids)
         if len(window) > _WINDOW_LIMIT:
@@ -121,7 +138,8 @@ def _after_step(optimizer: Any) -> None:
             stepped = [by_id[i] for i in missing if by_id[i].grad is not None]
             if stepped:
                 _eager_step(optimizer, stepped, len(expected))
-    _sweep()
+    if not _InCall.depth:
+        _sweep()
 
 
 def _pair_params(optimizer: Any) -> tuple[frozenset[int], dict[int, Any]]:

@@ -130,6 +130,12 @@ def capture(monkeypatch):
     return GraphCapture(monkeypatch)
 
 
+def step_compiles(counter) -> int:
+    """Graphs a ``CompileCounterWithBackend`` saw, less the optimizer watch's one-op graphs
+    (``collage::optimizer_stepped`` after a torch.optim step's graph break)."""
+    return sum(not _compat.is_step_tick_graph(gm) for gm in counter.graphs)
+
+
 def relative_error(value: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
     """||value - ref|| relative to the total movement ||ref - start|| (float64)."""
     value, ref, start = value.double(), ref.double(), start.double()

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import user_optimizers
-from conftest import GraphCapture, assert_snapshot, relative_error
+from conftest import GraphCapture, assert_snapshot, relative_error, step_compiles
 
 import collage_compile
 from collage_compile import _compat
@@ -246,7 +246,7 @@ def run(cls, kwargs, stream, foreach, backend, seed=0, scheduled=True):
     value = torch.cat([collage_compile.value(p).double().flatten() for p in params])
     target = torch.cat([r.detach().flatten() for r in ref])
     origin = torch.cat([s.flatten() for s in start])
-    frames = counter.frame_count if counter is not None else None
+    frames = step_compiles(counter) if counter is not None else None
     return relative_error(value, target, origin), params, opt, frames
 
 

@@ -214,3 +214,21 @@ def test_lr_zero_writes_no_nan(cls, amsgrad, foreach):
     plain, _, _ = run("inductor")
     if not foreach and collage_compile._compat.torch_version().startswith("2.13"):
         assert plain.isnan().any()  # the hazard this guards against, as torch 2.13 compiles it
+
+
+def test_the_watch_adds_no_graph_break():
+    """The check after each step is an op inside the compiled step: an optimizer with no
+    graph break of its own still compiles with fullgraph=True, with the collage backend and
+    with plain Inductor in the same process."""
+    import user_optimizers
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 8, generator=g).to(torch.bfloat16))
+    opt = user_optimizers.Lion([p], lr=1e-4)
+    for backend in (collage_compile.backend, "inductor"):
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend=backend, fullgraph=True)
+        for _ in range(2):
+            _grad(p, g)
+            step()
+    assert state.get_lo(p) is not None

@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo.testing
-from conftest import relative_error
+from conftest import relative_error, step_compiles
 
 import collage_compile
 
@@ -95,7 +95,7 @@ def train(make_opt, make_sched, backend, dtype=torch.bfloat16, steps=STEPS, fore
             sched.step(1.0 if k > 30 else 1.0 - k / 100)  # improves, then plateaus
         else:
             sched.step()
-    frames = counter.frame_count if counter is not None else None
+    frames = step_compiles(counter) if counter is not None else None
     return params, start, frames
 
 
