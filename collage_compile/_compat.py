@@ -83,7 +83,10 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
         return None
 
     def _optimizer_step_code(self: Any) -> None:
-        optimizer_stepped(id(self), ticks)
+        if torch.compiler.is_compiling():
+            optimizer_stepped(id(self), ticks)  # a node of the graph being traced
+        else:
+            fn(self)  # eagerly: no op dispatch
         original(self)
 
     _optimizer_step_code._collage = True  # type: ignore[attr-defined]
