@@ -246,6 +246,19 @@ def compile_with_inductor(
     return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
 
 
+def no_input_asserts_patch() -> dict[str, Any]:
+    """Inductor config: no ``assert_size_stride`` of every input on every call.
+
+    A rewritten graph has one more input per upgraded tensor (its lo), and at 300 tensors
+    these asserts were a quarter of the step's host time (``benchmarks.host``).  They
+    repeat checks made elsewhere: Dynamo's guards check the size and stride of every tensor
+    it passes in, the backend's wrapper builds each lo with its tensor's layout
+    (``state.empty_lo``) and re-checks the parameters it holds whenever one's storage
+    changes (``module.half()``, ``p.data = ...``).  ``size_asserts`` on 2.11 and 2.13.
+    """
+    return {"size_asserts": False}
+
+
 def bounded_inlining_patch() -> dict[str, Any]:
     """Inductor config that bounds what Inductor inlines into a graph's loops.
 
@@ -274,6 +287,12 @@ def scalar_prologue_patch() -> dict[str, Any]:
     return {"post_grad_custom_post_pass": realize_scalars_pass()}
 
 
+# loops shorter than this keep their scalars inline (measured by benchmarks/host.py: at 300
+# tensors of 8 elements, the two 0-d buffers per tensor cost more host time than the libm
+# calls they save)
+_REALIZE_MIN_NUMEL = 1024
+
+
 @functools.cache
 def realize_scalars_pass() -> Any:
     """An Inductor post-grad pass that reads every computed fp32/fp64 0-d tensor through
@@ -287,7 +306,8 @@ def realize_scalars_pass() -> Any:
     and reloaded around it, and each vector's long dependency chain restarts after it.
     Inductor's ``as_strided`` lowering realizes its input: the scalar is computed once in
     the kernel's scalar prologue and loaded in the loop (same kernel, same fp32 value, no
-    numerical change).  Low-precision 0-d values are left alone (their store would round).
+    numerical change).  Low-precision 0-d values are left alone (their store would round),
+    and so are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`).
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -302,15 +322,22 @@ def realize_scalars_pass() -> Any:
             and val.dtype in (torch.float32, torch.float64)
         )
 
-    def nonscalar(node: fx.Node) -> bool:
+    def large(node: fx.Node) -> bool:
+        # a loop long enough that computing its scalars once beats the 0-d buffer each of
+        # them costs per call on the host (a tiny parameter's loop is one or two vectors)
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
-        return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in vals)
+        for v in vals:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                n = v.numel()
+                if not isinstance(n, int) or n >= _REALIZE_MIN_NUMEL:
+                    return True
+        return False
 
     class RealizeScalars(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             for node in list(graph.nodes):
-                if node.op != "call_function" or not nonscalar(node):
+                if node.op != "call_function" or not large(node):
                     continue
                 views: dict[fx.Node, fx.Node] = {}
 

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -245,11 +246,14 @@ def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
     still fuses them into one kernel, checked by the kernel-count test); and it promises
     eager bf16 semantics for the whole optimizer step, so every other low-precision op of
     the graph (momentum buffers, ``grad + wd * p``) must round like eager too: that is
-    ``emulate_precision_casts``, scoped to this graph.
+    ``emulate_precision_casts``, scoped to this graph.  The compiled module does not
+    re-assert every input's size and stride (:func:`_compat.no_input_asserts_patch`).
     """
     if config.arithmetic == "storage":
-        return {**_compat.bounded_inlining_patch(), **_compat.eager_rounding_patch()}
-    return dict(_compat.scalar_prologue_patch())
+        patches = {**_compat.bounded_inlining_patch(), **_compat.eager_rounding_patch()}
+    else:
+        patches = dict(_compat.scalar_prologue_patch())
+    return {**patches, **_compat.no_input_asserts_patch()}
 
 
 def inductor_options() -> dict[str, Any]:
@@ -259,17 +263,25 @@ def inductor_options() -> dict[str, Any]:
     return dict(_compat.bounded_inlining_patch())
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_NONE = functools.partial(operator.is_, None)
+
+
 class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended (then
     that of every weight a chain only reads), and afterwards zeroes the lo of every pair on
     memory the graph wrote without an MCF chain.
 
-    get_attr tensors are fixed for the graph (Dynamo guards their identity and metadata), so
-    their lo is remembered, holding only a weak reference to the tensor; each call checks
-    that the registry still holds that lo (another graph may have replaced it after the
-    tensor changed dtype and back).  Tensors that arrive as inputs are looked up per call.
-    A weight the graph only reads (an EMA's parameter) gets its pair's lo when it has one,
-    else zeros: reading it creates no pair (its writer does that).
+    The host work per call does not grow with the number of tensors beyond a few C-level
+    passes over them: get_attr tensors are fixed for the graph (Dynamo guards their
+    identity), so their lo list is built once and rebuilt only when the registry changes
+    (:func:`state.epoch`) or a tensor's storage does (``p.data = ...``, ``module.half()``);
+    one comparison of version counters finds any write from outside (:mod:`state`), and one
+    dict update records them after the call.  Nothing reads a tensor's values and nothing
+    synchronizes with the device.  Tensors that arrive as inputs (a hand-written step's
+    arguments, an EMA's ``detach()`` aliases) are looked up per call.  A weight the graph
+    only reads (an EMA's parameter) gets its pair's lo when it has one, else zeros: reading
+    it creates no pair (its writer does that).
     """
 
     def __init__(
@@ -282,21 +294,24 @@ class _LoInputs:
     ):
         self.compiled = compiled
         self.metrics = metrics
+        attrs = [(slot, a) for slot, a in enumerate(upgraded) if a.real is not None]
+        self._attr_slots = [slot for slot, _ in attrs]
+        self._attr_accs = [a for _, a in attrs]
+        self._attr_refs = [weakref.ref(a.real) for _, a in attrs]
+        self._attr_meta = [(a.real.dtype, a.real.shape) for _, a in attrs]
+        self._by_input = [
+            (slot, a.input_index, a.name) for slot, a in enumerate(upgraded) if a.real is None
+        ]
         first = len(upgraded)
         self._readers = [
             (first + i, weakref.ref(a.real) if a.real is not None else None, a.input_index)
             for i, a in enumerate(readers)
         ]
         self._zeros: dict[int, torch.Tensor] = {}
-        self._attrs = [
-            (slot, weakref.ref(a.real), a, a.real.dtype, a.real.shape)
-            for slot, a in enumerate(upgraded)
-            if a.real is not None
-        ]
-        self._by_input = [
-            (slot, a.input_index, a.name) for slot, a in enumerate(upgraded) if a.real is None
-        ]
-        self._los: list[torch.Tensor | None] = [None] * (len(upgraded) + len(readers))
+        self._call_los: list[torch.Tensor | None] = [None] * (len(upgraded) + len(readers))
+        self._lo_ids: list[int] = []  # id of each attr's lo, in _attr_* order
+        self._epoch: int | None = None  # state.epoch() when the lo list was built
+        self._ptrs: list[int] = []  # the attrs' data pointers then
         self._unchained_refs = [(weakref.ref(a.real), a) for a in unchained if a.real is not None]
         self._unchained_inputs = [(a.input_index, a) for a in unchained if a.real is None]
         # what every call writes (watch: an optimizer step no collage graph wrote is named)
@@ -305,13 +320,17 @@ class _LoInputs:
         )
         self._written_inputs = [a.input_index for a in [*upgraded, *unchained] if a.real is None]
 
-    def __call__(self, *args: Any) -> Any:
-        los = self._los
-        outside: list[tuple[str, str]] = []
-        for slot, ref, acc, dtype, shape in self._attrs:
-            t = ref()
-            if t is None:
-                raise RuntimeError(f"collage: {acc.name} of a compiled graph was freed")
+    def _attr_tensors(self) -> list[torch.Tensor]:
+        tensors = [r() for r in self._attr_refs]
+        # by identity, in C: ``None in tensors`` would call Tensor.__eq__ on every element
+        if any(map(_IS_NONE, tensors)):
+            acc = next(a for t, a in zip(tensors, self._attr_accs) if t is None)
+            raise RuntimeError(f"collage: {acc.name} of a compiled graph was freed")
+        return tensors  # type: ignore[return-value]
+
+    def _refresh(self, tensors: list[torch.Tensor]) -> None:
+        """Rebuild the attrs' lo list: the registry changed, or a tensor's storage did."""
+        for t, acc, (dtype, shape) in zip(tensors, self._attr_accs, self._attr_meta):
             if t.dtype != dtype or t.shape != shape:
                 raise RuntimeError(
                     f"collage: {acc.describe()} is now {str(t.dtype).replace('torch.', '')} "
@@ -320,25 +339,43 @@ class _LoInputs:
                     "parameters (plain Inductor computes on the wrong dtype too).  Call "
                     "torch._dynamo.reset() or compile the step again after the change."
                 )
-            if los[slot] is None or state.get_lo(t) is not los[slot]:
-                los[slot] = state.lo_for(t)
-            why = state.check(t, los[slot], acc.name)
-            if why is not None:
-                outside.append((names.display(t, acc.name), why))
-        call_los = list(los)
-        for slot, idx, name in self._by_input:
-            call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
-            why = state.check(args[idx], lo, name)
-            if why is not None:
-                outside.append((names.display(None, name), why))
-        for slot, ref, idx in self._readers:
-            t = ref() if ref is not None else args[idx]
-            lo = state.components(t)[1]
-            if lo is None:
-                lo = self._zeros.get(slot)
-                if lo is None or not state.fits(lo, t):
-                    lo = self._zeros[slot] = state.empty_lo(t).zero_()
-            call_los[slot] = lo
+        los = []
+        for t, slot in zip(tensors, self._attr_slots):
+            lo = self._call_los[slot]
+            if lo is None or state.get_lo(t) is not lo:
+                lo = self._call_los[slot] = state.lo_for(t)
+            state.track(t, lo)
+            los.append(lo)
+        self._lo_ids = [id(lo) for lo in los]
+        self._ptrs = list(map(_DATA_PTR, tensors))
+        self._epoch = state.epoch()
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = self._attr_tensors()
+        if self._epoch != state.epoch() or list(map(_DATA_PTR, tensors)) != self._ptrs:
+            self._refresh(tensors)
+        call_los = self._call_los
+        outside: list[tuple[str, str]] = []
+        if not state.unchanged(self._lo_ids, tensors):
+            for t, slot, acc in zip(tensors, self._attr_slots, self._attr_accs):
+                why = state.check(t, call_los[slot], acc.name)
+                if why is not None:
+                    outside.append((names.display(t, acc.name), why))
+        if self._by_input or self._readers:
+            call_los = list(call_los)
+            for slot, idx, name in self._by_input:
+                call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
+                why = state.check(args[idx], lo, name)
+                if why is not None:
+                    outside.append((names.display(None, name), why))
+            for slot, ref, idx in self._readers:
+                t = ref() if ref is not None else args[idx]
+                lo = state.components(t)[1]
+                if lo is None:
+                    lo = self._zeros.get(slot)
+                    if lo is None or not state.fits(lo, t):
+                        lo = self._zeros[slot] = state.empty_lo(t).zero_()
+                call_los[slot] = lo
         if outside:
             watch.outside_writes([n for n, _ in outside], outside[0][1], key=str(id(self)))
         wrote = self._written_ids
@@ -353,11 +390,16 @@ class _LoInputs:
             # the last output is the metrics' sums (rewrite.add_metrics_output)
             self.metrics.record(out[-1], args)
             out = out[:-1]
-        # hi and lo moved together: remember hi as it is now (state.check, next call)
-        for slot, ref, *_ in self._attrs:
-            state.stamp(ref(), call_los[slot])
+        # hi and lo moved together: remember hi's version as it is now (next call's check)
+        state.record_versions(self._lo_ids, tensors)
         for slot, idx, _ in self._by_input:
             state.stamp(args[idx], call_los[slot])
+        if self._unchained_refs or self._unchained_inputs:
+            self._reset_unchained(args)
+        return out
+
+    def _reset_unchained(self, args: tuple[Any, ...]) -> None:
+        """Zero the lo of every pair on memory this graph wrote without a chain."""
         written = [(r(), a) for r, a in self._unchained_refs]
         written += [(args[i], a) for i, a in self._unchained_inputs]
         for t, acc in written:
@@ -372,4 +414,3 @@ class _LoInputs:
                         f"in?); the write is not upgraded ({acc.reason or 'unsupported'}), "
                         "and the parameter's lo restarts from zero.  Pass the parameter itself.",
                     )
-        return out

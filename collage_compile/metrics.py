@@ -157,18 +157,19 @@ class GraphMetrics:
 
     def __init__(self, rows: list[Row]):
         self.rows = rows
+        self._input_rows = [row for row in rows if row.input_index is not None]
         self.latest: torch.Tensor | None = None
         self.seq = 0
         with _lock:
             _graphs.add(self)
 
     def record(self, sums: torch.Tensor, args: tuple[Any, ...]) -> None:
-        """Called after every call of the graph: keeps the sums tensor (no sync)."""
-        for row in self.rows:
-            if row.input_index is not None:
-                t = args[row.input_index]
-                if row.ref is None or row.ref() is not t:
-                    row.ref = weakref.ref(t)
+        """Called after every call of the graph: keeps the sums tensor (no sync, and no
+        work per tensor but for tensors passed in, whose object may change per call)."""
+        for row in self._input_rows:
+            t = args[row.input_index]
+            if row.ref is None or row.ref() is not t:
+                row.ref = weakref.ref(t)
         self.latest = sums
         self.seq = next(_seq)
 

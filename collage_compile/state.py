@@ -16,6 +16,7 @@ the pair its ``detach()`` alias carried.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import warnings
 import weakref
@@ -261,10 +262,10 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     with _lock:
         _register(t, lo)
     if old is not None and id(old) in _stamps:
-        _, owner, _version, probe, pending, registered = _stamps[id(old)]
-        probe = None if probe is None else probe.to(lo.device)
-        # the move gave the tensor a new version counter: re-read it, keep the probe
-        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, t._version, probe, pending, registered)
+        _, owner, pending, registered = _stamps[id(old)]
+        # the move gave the tensor a new version counter: re-read it
+        _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, pending, registered)
+        _versions[id(lo)] = t._version
     return lo
 
 
@@ -325,6 +326,7 @@ def clear() -> None:
         _by_storage.clear()
         _by_view.clear()
         _stamps.clear()
+        _versions.clear()
         _views_live_after_sweep = 0
 
 
@@ -337,58 +339,39 @@ def count() -> int:
 
 # --------------------------------------------------------------------------------------
 # Writes from outside: a lo describes the hi it was computed with.  After every compiled
-# call the backend records, per pair, the owner tensor's version counter and a few sampled
-# elements of hi (a probe).  Before the next call a changed version (``load_state_dict``,
-# ``torch.no_grad(): p.fill_``, ``p.detach().copy_``) or a changed probe (``p.data.copy_``:
-# ``.data`` has a version counter of its own, so only the values tell) means hi was
-# overwritten: its old lo would be added back to a value it does not belong to, so it is
-# zeroed.  A lo restored from a checkpoint carries a checksum of the hi it was saved with
-# instead, checked once (the model's weights may be loaded after the optimizer's state).
+# call the backend records the version counter of each pair's hi (``_versions``, one dict
+# update per call for all of a graph's tensors).  A version that has moved since
+# (``load_state_dict``, ``torch.no_grad(): p.fill_``, ``p.detach().copy_``, an update that
+# ran eagerly) means hi was written by something else: its old lo would be added back to a
+# value it does not belong to, so it is zeroed.  ``detach()`` aliases share their tensor's
+# version counter, so a tensor passed in as a fresh alias every call is checked through
+# the alias.  A write through ``.data`` is not seen (``.data`` has a version counter of its
+# own; README and docs/checkpoints.md say so).  Nothing here reads a tensor's values: no
+# device work and no synchronization on the hot path.  A lo restored from a checkpoint
+# carries a checksum of the hi it was saved with instead, checked once (the model's weights
+# may be loaded after the optimizer's state).
 
-_PROBES = 8
+_VERSION = operator.attrgetter("_version")
 
 
 class _Stamp(NamedTuple):
     lo: weakref.ref  # the lo this describes (ids are reused after it dies)
-    owner: weakref.ref | None  # the tensor registered with it (or stamped through)
-    version: int | None  # owner._version after the last compiled call
-    probe: torch.Tensor | None  # sampled bit patterns of hi after it
+    owner: weakref.ref | None  # a tensor sharing hi's version counter: registered, or stamped
     pending: tuple[int, int] | None  # checksum of the hi a restored lo was saved with
     registered: bool = True  # owner is registered with lo (not a witness stamped through)
 
 
 # id(lo) -> _Stamp
 _stamps: dict[int, _Stamp] = {}
-
-
-def _probe_index(n: int, device: torch.device) -> torch.Tensor:
-    # spread over the whole tensor, deterministic, distinct where n allows
-    flat = sorted({(i * 2654435761 + 7) % n for i in range(_PROBES)} | {0, n - 1})
-    return torch.tensor(flat, dtype=torch.long, device=device)
-
-
-_index_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _probe(t: torch.Tensor) -> torch.Tensor | None:
-    n = t.numel()
-    if n == 0:
-        return None
-    key = (n, t.device)
-    index = _index_cache.get(key)
-    if index is None:
-        index = _index_cache[key] = _probe_index(n, t.device)
-    # bit patterns (a NaN equals itself); take() indexes the logical order, any layout
-    return torch.take(t.detach().view(_BITS[t.dtype]), index)
-
-
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# id(lo) -> hi's version counter after its last compiled write (None: not known, trust lo)
+_versions: dict[int, int | None] = {}
 
 
 def _forget_stamp(key: int, ref: weakref.ref) -> None:
     entry = _stamps.get(key)
     if entry is not None and entry.lo is ref:
         del _stamps[key]
+        _versions.pop(key, None)
 
 
 def _lo_ref(lo: torch.Tensor) -> weakref.ref:
@@ -404,40 +387,63 @@ def _owner_of(lo: torch.Tensor) -> torch.Tensor | None:
 
 
 def stamp(t: torch.Tensor, lo: torch.Tensor, pending: tuple[int, int] | None = None) -> None:
-    """Record ``t`` (the hi of ``lo``, or an alias of it) as it is now."""
+    """Record ``t`` (the hi of ``lo``, or an alias sharing its version counter) as it is now."""
     key = id(lo)
     old = _stamps.get(key)
     if old is not None and old.lo() is lo:
-        ref, registered = old.lo, old.registered
-        # a registered owner is kept; a witness is the tensor stamped through this time
-        owner_ref = old.owner if registered else weakref.ref(t)
+        if not old.registered or old.pending != pending:
+            # a witness is the tensor stamped through this time
+            owner_ref = old.owner if old.registered else weakref.ref(t)
+            _stamps[key] = _Stamp(old.lo, owner_ref, pending, old.registered)
     else:
         # the tensor registered with it, else the one it is stamped through (a list that a
         # compiled function is passed every call; a fresh alias such as p.detach() dies at
-        # once, and then only the probe tells a write)
+        # once, and the next alias of the same tensor, sharing its version counter, is
+        # checked instead)
         owner = _owner_of(lo)
         registered = owner is not None
-        owner_ref = weakref.ref(owner if registered else t)
-        ref = _lo_ref(lo)
-    owner = owner_ref() if owner_ref is not None else None
-    version = owner._version if owner is not None else None
-    _stamps[key] = _Stamp(ref, owner_ref, version, _probe(t), pending, registered)
+        _stamps[key] = _Stamp(
+            _lo_ref(lo), weakref.ref(owner if registered else t), pending, registered
+        )
+    _versions[key] = t._version
+
+
+def track(t: torch.Tensor, lo: torch.Tensor) -> None:
+    """Stamp ``t`` for ``lo`` unless something already did (a stamp that exists keeps the
+    version it recorded, so a write since then is still seen)."""
+    entry = _stamps.get(id(lo))
+    if entry is None or entry.lo() is not lo:
+        stamp(t, lo)
+
+
+def record_versions(lo_ids: list[int], tensors: list[torch.Tensor]) -> None:
+    """After a compiled call: the versions of the hi of each lo (by id), in one update."""
+    _versions.update(zip(lo_ids, map(_VERSION, tensors)))
+
+
+def unchanged(lo_ids: list[int], tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor's version is the one recorded for its lo (one comparison when
+    nothing was written from outside; a lo without a record counts as changed)."""
+    return list(map(_VERSION, tensors)) == list(map(_versions.get, lo_ids))
 
 
 def forget(lo: torch.Tensor) -> None:
     """Drop what was recorded for ``lo`` (nothing to check before its next use)."""
     _stamps.pop(id(lo), None)
+    _versions.pop(id(lo), None)
 
 
 def written_since_stamp(lo: torch.Tensor) -> str | None:
     """Why the owner of ``lo`` no longer holds the hi it was stamped with, as far as its
     version counter tells (no tensor work: a host check); None if it does (or is unknown)."""
-    entry = _stamps.get(id(lo))
+    key = id(lo)
+    entry = _stamps.get(key)
     if entry is None or entry.pending is not None or entry.owner is None or entry.lo() is not lo:
         return None
     owner = entry.owner()
-    if owner is not None and owner._version != entry.version:
-        return f"version {entry.version} -> {owner._version}"
+    version = _versions.get(key)
+    if owner is not None and version is not None and owner._version != version:
+        return f"version {version} -> {owner._version}"
     return None
 
 
@@ -465,25 +471,29 @@ def sweep(budget: int) -> list[tuple[torch.Tensor, str]]:
 
 
 def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> str | None:
-    """Zero ``lo`` if ``t`` (its hi, or an alias) was written since :func:`stamp` by
-    anything but a compiled step; returns why it was zeroed, None if it was kept."""
-    entry = _stamps.get(id(lo))
+    """Zero ``lo`` if ``t`` (its hi, or an alias sharing its version counter) was written
+    since :func:`stamp` by anything but a compiled step; returns why it was zeroed, None if
+    it was kept."""
+    key = id(lo)
+    entry = _stamps.get(key)
     if entry is None or entry.lo() is not lo:
         return None
-    _, owner_ref, version, probe, pending, _ = entry
-    if pending is not None:
-        if checksum(t) == pending:
+    if entry.pending is not None:
+        if checksum(t) == entry.pending:
             stamp(t, lo)
             return None
         why = "its weights differ from those it was saved with"
     else:
-        owner = owner_ref() if owner_ref is not None else None
-        if owner is not None and owner._version != version:
-            why = f"version {version} -> {owner._version}"
-        elif probe is not None and not torch.equal(_probe(t), probe):
-            why = "its values changed (a write through .data?)"
-        else:
+        version = _versions.get(key)
+        owner = entry.owner() if entry.owner is not None else None
+        current = (owner if owner is not None else t)._version
+        if version is None or current == version:
             return None
+        if owner is None and current < version:
+            # a fresh alias with a counter of its own (p.data passed in): nothing to compare
+            stamp(t, lo)
+            return None
+        why = f"version {version} -> {current}"
     with torch.no_grad():
         lo.zero_()
     stamp(t, lo)
@@ -494,6 +504,9 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> str | None:
         why,
     )
     return why
+
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:

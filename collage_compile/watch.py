@@ -63,7 +63,7 @@ _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # recompile-limit events seen: (function, limit, value, last reason)
 _limits: list[tuple[str, str, str, str]] = []
 # pairs checked per optimizer step for writes outside a step (round robin)
-SWEEP_BUDGET = 64
+SWEEP_BUDGET = 16
 
 
 def install() -> None:

@@ -66,6 +66,11 @@ def compact_graph(gm: torch.fx.GraphModule) -> str:
             return f"{mod.replace('torch._ops.', '')}.{name}" if "ops" in mod else name
         return node.op
 
+    def stable(text: str) -> str:
+        # the optimizer watch's op: its optimizer id and the cell holding its counter vary
+        text = re.sub(r"optimizer_stepped\.default\(\d+,", "optimizer_stepped.default(<id>,", text)
+        return re.sub(r"\w*optimizer_step_code_closure_\d+_cell_contents", "<ticks>", text)
+
     lines, last = [], None
     for node in gm.graph.nodes:
         chain = node.meta.get("collage_chain")
@@ -86,7 +91,7 @@ def compact_graph(gm: torch.fx.GraphModule) -> str:
                 [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs.items()]
             )
             lines.append(f"{node.name} = {target(node)}({args})")
-    return "\n".join(lines)
+    return stable("\n".join(lines))
 
 
 def readable_with_chains(gm: torch.fx.GraphModule) -> str:
