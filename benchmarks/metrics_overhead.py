@@ -32,6 +32,7 @@ SIZES = {
     "small": (2, 256),
     "cpu": (4, 576),
     "gpu": (12, 1024),
+    "t300": (25, 32),  # 300 small tensors: compile time at a Llama-7B tensor count
 }
 
 

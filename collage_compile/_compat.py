@@ -200,12 +200,44 @@ def free_symbols(x: Any) -> set[Any]:
     return set(getattr(expr, "free_symbols", ()))
 
 
+@functools.cache
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and their state)."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a DTensor (``_local_tensor``: no autograd node, no view, the
+    tensor whose storage the shard lives in); any other tensor is its own."""
+    cls = _dtensor_type()
+    if cls is not None and isinstance(t, cls):
+        return t._local_tensor
+    return t
+
+
+def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``t``'s mesh, placements, global shape and strides whose shard is
+    ``local`` (real or fake: made with the constructor, so ``local`` keeps the fake mode it
+    was made in, where ``DTensor.from_local`` would trace through autograd)."""
+    cls = _dtensor_type()
+    return cls(local, t._spec, requires_grad=False)
+
+
 def storage_weakref(t: torch.Tensor) -> Any:
     """A weak reference to ``t``'s storage with ``.expired()`` (the one torch.multiprocessing
     and FakeTensor use; the storage, not the tensor object, says whether memory lives on)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    return StorageWeakRef(t.untyped_storage())
+    return StorageWeakRef(local_tensor(t).untyped_storage())
 
 
 def set_example_value(node: fx.Node, value: Any) -> None:
@@ -240,9 +272,19 @@ def compile_with_inductor(
     example_inputs: Sequence[Any],
     config_patches: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    """Exactly what ``backend="inductor"`` does, optionally with scoped config patches."""
+    """Exactly what ``backend="inductor"`` does, optionally with scoped config patches.
+
+    A graph with DTensor inputs skips AOTAutograd's cache: its key hashes a DTensor by
+    mesh, placements and global shape (torch 2.11 to 2.13), the same on every rank, so a
+    rank with an uneven shard loaded another rank's kernel, compiled for the other local
+    shape, from a cache directory the ranks share (plain Inductor alike, pytorch#188390,
+    whose fix adds the device, the same on every CPU rank).  Inductor's own FX graph cache
+    keys on the local shapes and stays on."""
     from torch._inductor.compile_fx import compile_fx
 
+    if any(is_dtensor(t) for t in example_inputs):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
     return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
 
 
@@ -371,7 +413,7 @@ def storage_key(t: torch.Tensor) -> Any:
     """A hashable identity of ``t``'s storage, valid for fake and real tensors."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    return StorageWeakRef(t.untyped_storage())
+    return StorageWeakRef(local_tensor(t).untyped_storage())
 
 
 def is_op_overload(target: Any) -> bool:

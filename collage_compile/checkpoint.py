@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from collage_compile import state
+from collage_compile import _compat, state
 from collage_compile.mcf import LOW_PRECISION
 
 __all__ = ["attach", "convert", "set_value"]
@@ -83,7 +83,7 @@ def _restore(t: torch.Tensor, lo: torch.Tensor, saved_hi: torch.Tensor | None) -
     the hi ``lo`` was saved with."""
     if t.dtype not in LOW_PRECISION:
         return  # the run that saved it used low precision; this one does not: nothing to add
-    if state.components(t)[1] is None and not lo.any():
+    if state.components(t)[1] is None and _all_zero(lo):
         return  # a zero lo is no lo: allocate none (light mode's optimizer state)
     state.set_lo(t, lo.to(device=t.device, dtype=t.dtype))
     if saved_hi is None:
@@ -94,6 +94,13 @@ def _restore(t: torch.Tensor, lo: torch.Tensor, saved_hi: torch.Tensor | None) -
 
 
 # ----------------------------------------------------------------------------- optimizer
+
+
+def _all_zero(lo: torch.Tensor) -> bool:
+    # a DTensor's over all its shards, so that every rank decides alike
+    if _compat.is_dtensor(lo):
+        return not bool(lo.ne(0).sum().full_tensor())
+    return not lo.any()
 
 
 def _params_by_index(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
@@ -173,6 +180,11 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
             if p.dtype in LOW_PRECISION:
                 sd[prefix + name + _MODULE_LO] = _lo_or_zeros(p)
                 sd[prefix + name + _MODULE_HI] = _checksum_tensor(p)
+                # DCP's get/set_model_state_dict resolve every key by attribute lookup
+                # ("0.weight._collage_lo" -> model[0].weight._collage_lo): name the entries
+                # on the parameter (a label, no tensor: nothing is held twice)
+                p.__dict__.setdefault(_MODULE_LO[1:], "collage_compile lo, in state_dict()")
+                p.__dict__.setdefault(_MODULE_HI[1:], "collage_compile hi checksum")
 
     def before_load(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
         pending.clear()

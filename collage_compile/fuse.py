@@ -21,8 +21,9 @@ other backend), the op runs the same aten graph.
 
 A chain stays inline when outlining could change what it computes or cannot be proven
 safe: a symbolic shape, a non-tensor input, a value used outside the chain, an in-place
-op, an op Inductor would not lower itself (a fallback kernel), or grad mode on with an
-input requiring grad (the op has no autograd formula).  Metrics chains stay inline too.
+op, an op Inductor would not lower itself (a fallback kernel), grad mode on with an
+input requiring grad (the op has no autograd formula), or a DTensor input (FSDP2: DTensor
+runs the inline ops shard by shard).  Metrics chains stay inline too.
 """
 
 from __future__ import annotations
@@ -200,6 +201,10 @@ def _is_member(x: Any, region: Sequence[fx.Node]) -> bool:
 
 
 def _concrete_tensor(t: Any) -> bool:
+    # a DTensor's chain stays inline: DTensor runs each pointwise op on the local shards,
+    # where the op would need a sharding rule of its own
+    if _compat.is_dtensor(t):
+        return False
     return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 

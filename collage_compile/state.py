@@ -60,12 +60,18 @@ def epoch() -> int:
     return _epoch
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    # a DTensor's elements are its local shard's (the wrapper has no storage)
+    return _compat.local_tensor(t).untyped_storage().data_ptr()
+
+
 def _view_key(t: torch.Tensor) -> tuple:
+    local = _compat.local_tensor(t)
     return (
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        tuple(local.stride()),
         t.dtype,
         t.device,
     )
@@ -108,6 +114,7 @@ def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Bytes [start, end) of its storage that a tensor's elements occupy."""
+    t = _compat.local_tensor(t)
     return _span_of(t.storage_offset(), t.shape, t.stride(), t.element_size())
 
 
@@ -124,7 +131,7 @@ def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Te
     carries a pair)."""
     own = get_lo(t)
     out = [(t, own)] if own is not None else []
-    ptr = t.untyped_storage().data_ptr()
+    ptr = _storage_ptr(t)
     start, end = _span(t)
     for key, (ref, lo) in list(_by_view.items()):
         if key[0] != ptr or lo is own or ref.expired():
@@ -162,7 +169,7 @@ def has_pair(t: torch.Tensor) -> bool:
 def _exact_alias_lo(t: torch.Tensor) -> torch.Tensor | None:
     """The lo of a tensor registered by identity that is exactly ``t``'s view (``t`` is
     its ``detach()`` or ``.data``)."""
-    ids = _by_storage.get(t.untyped_storage().data_ptr())
+    ids = _by_storage.get(_storage_ptr(t))
     if not ids:
         return None
     key = _view_key(t)
@@ -178,7 +185,10 @@ def empty_lo(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised lo for ``t`` (real or fake): the tensor's own strides where it is
     dense (a transposed weight's lo is transposed too, so the fused kernel walks both
     alike), contiguous otherwise (a strided view of a larger buffer: lo holds only the
-    elements of the view)."""
+    elements of the view).  A DTensor's lo is a DTensor on the same mesh and placements,
+    each rank holding the lo of its own shard."""
+    if _compat.is_dtensor(t):
+        return _compat.dtensor_like(t, empty_lo(_compat.local_tensor(t)))
     if _compat.is_non_overlapping_and_dense(t):
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
     return torch.empty(t.size(), dtype=t.dtype, device=t.device)
@@ -245,11 +255,21 @@ def _register(t: torch.Tensor, lo: torch.Tensor) -> None:
     """Make ``lo`` the pair of ``t`` (by identity); the caller holds ``_lock``."""
     global _epoch
     _epoch += 1
-    key, ptr = id(t), t.untyped_storage().data_ptr()
+    key, ptr = id(t), _storage_ptr(t)
     old = _entries.get(key)
     if old is not None:  # re-fitted: the tensor may sit on a new storage now
         for ids in _by_storage.values():
             ids.discard(key)
+        if old[1] is not lo:
+            # the replaced lo may live on (a compiled graph's cached list holds it until its
+            # next call): what was recorded for it no longer describes this tensor
+            _stamps.pop(id(old[1]), None)
+            _versions.pop(id(old[1]), None)
+    by_view = _by_view.pop(_view_key(t), None) if _by_view else None
+    if by_view is not None and by_view[1] is not lo:
+        # a pair it had as an argument (registered by view) is superseded by this one
+        _stamps.pop(id(by_view[1]), None)
+        _versions.pop(id(by_view[1]), None)
     ref = weakref.ref(t, lambda r, key=key, ptr=ptr: _drop(key, r, ptr))
     _entries[key] = (ref, lo)
     _by_storage.setdefault(ptr, set()).add(key)
@@ -259,10 +279,11 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """Register ``lo`` for ``t`` keeping what was known about the old pair's hi (a lo that
     moved device with its tensor still belongs to the same values)."""
     old = get_lo(t)
+    recorded = _stamps.get(id(old)) if old is not None else None
     with _lock:
         _register(t, lo)
-    if old is not None and id(old) in _stamps:
-        _, owner, pending, registered = _stamps[id(old)]
+    if recorded is not None and recorded.lo() is old:
+        _, owner, pending, registered = recorded
         # the move gave the tensor a new version counter: re-read it
         _stamps[id(lo)] = _Stamp(_lo_ref(lo), owner, pending, registered)
         _versions[id(lo)] = t._version
@@ -512,8 +533,18 @@ _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 def checksum(t: torch.Tensor) -> tuple[int, int]:
     """Two 64-bit sums of ``t``'s bit patterns, plain and weighted by a hash of the position:
     equal for equal tensors; equal for different ones only by coincidence (a weight moved
-    from one element to another changes the second)."""
+    from one element to another changes the second).
+
+    A DTensor's are sums over the whole tensor, the same on every rank and for any sharding
+    (a checkpoint saved on 2 ranks is checked on 1): the weight hashes each element's bits,
+    not its position, which no rank knows without the layout of the others; two collective
+    sums, run where checkpoints are saved and restored, never per step."""
     with torch.no_grad():
+        if _compat.is_dtensor(t):
+            bits = t.detach().view(_BITS[t.dtype]).to(torch.int64)
+            weights = (bits * 2654435761) % 65521
+            plain, weighted = bits.sum(), (bits * (weights + 1)).sum()
+            return int(plain.full_tensor()), int(weighted.full_tensor())
         bits = t.detach().reshape(-1).view(_BITS[t.dtype]).to(torch.int64)
         n = bits.numel()
         weights = (torch.arange(n, device=t.device, dtype=torch.int64) * 2654435761) % 65521
