@@ -8,6 +8,7 @@ imports ``torch._dynamo``, ``torch._inductor``, ``torch._guards`` or ``torch._su
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -579,7 +580,7 @@ def register_inline_lowering(op: Any, graph_of: Callable[[str], fx.GraphModule])
     from torch._inductor.virtualized import V
 
     @register_lowering(op, type_promotion_kind=None)
-    def _lower(key: str, inputs: list[Any]) -> list[Any]:
+    def _lower(key: str, inputs: list[Any], group: int = -1) -> list[Any]:
         gm = graph_of(key)
         if all(
             isinstance(n.meta.get("val"), torch.Tensor)
@@ -587,8 +588,52 @@ def register_inline_lowering(op: Any, graph_of: Callable[[str], fx.GraphModule])
             if n.op == "call_function"
         ):
             node = V.graph.current_node
-            return _lower_shared(gm, inputs, node if node.target is op else None)
+            buffers: list[Any] = []
+            results = _lower_shared(gm, inputs, node if node.target is op else None, buffers)
+            if group >= 0:
+                _join_foreach_group(group, buffers)
+            return results
         return _lower_per_node(gm, inputs)
+
+
+# GraphLowering -> (group, device, buffers per chain, buffer index) -> its operation list
+_FOREACH_LISTS: weakref.WeakKeyDictionary[Any, dict[tuple[int, str, int, int], list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _join_foreach_group(group: int, buffers: list[Any]) -> None:
+    """Add one chain's buffers to its foreach group's operation lists, where the backend
+    fuses foreach ops horizontally (Triton: ``BackendFeature.FOREACH``).
+
+    ``_foreach_*`` lowerings realize each output and register the outputs as one list
+    (``foreach_group_loop`` in torch/_inductor/lowering.py), which the scheduler makes one
+    ``ForeachKernelSchedulerNode``: one combo kernel for tensors of any sizes.  The chains
+    that replace one foreach op are lowered one by one, so without this each tensor's
+    chain would be a kernel of its own.  Buffer ``i`` of every chain in a group (a shared
+    value it materializes, its hi, its lo) joins list ``i`` of the chains on its device
+    with as many buffers: the same value for every tensor, none of them reading another
+    (each chain writes only its own tensors), and the lists fuse with each other as a
+    foreach op's consecutive lists do.  The C++
+    backend has no FOREACH feature (it fuses loops of different sizes itself): nothing
+    changes there, not even which values are realized."""
+    from torch._inductor.codegen.common import BackendFeature
+    from torch._inductor.virtualized import V
+
+    if not buffers:
+        return
+    device = buffers[0].get_device()
+    if not V.graph.has_feature(device, BackendFeature.FOREACH):
+        return
+    lists = _FOREACH_LISTS.setdefault(V.graph, {})
+    for i, buf in enumerate(buffers):
+        buf.realize()
+        name = buf.get_operation_name()
+        key = (group, str(device), len(buffers), i)
+        if key in lists:
+            lists[key].append(name)
+        else:
+            lists[key] = V.graph.lists[V.graph.register_operation_list([name])]
 
 
 # A value that several outputs of a chain need (the correction word ``e`` that both the
@@ -598,10 +643,13 @@ def register_inline_lowering(op: Any, graph_of: Callable[[str], fx.GraphModule])
 SHARED_VALUE_OPCOUNT = 8
 
 
-def _lower_shared(gm: fx.GraphModule, inputs: list[Any], call: fx.Node | None) -> list[Any]:
+def _lower_shared(
+    gm: fx.GraphModule, inputs: list[Any], call: fx.Node | None, buffers: list[Any]
+) -> list[Any]:
     """Lower ``gm`` (called by the graph node ``call``) so that no loop body computes one
     of its values twice, and write the outputs that only overwrite graph inputs in place
-    (:func:`_write_in_place`).
+    (:func:`_write_in_place`).  Appends to ``buffers`` the values it materializes and then
+    the outputs' own computations, in graph order (each a value to realize).
 
     Every value reaches its readers' lowerings as a stand-in pointwise node whose loader
     looks the value up in the running evaluation's table and computes it (the real
@@ -663,7 +711,11 @@ def _lower_shared(gm: fx.GraphModule, inputs: list[Any], call: fx.Node | None) -
                 and env[node].data.data.inner_fn_opcount().num_ops > SHARED_VALUE_OPCOUNT
             ):
                 env[node].realize()
+                buffers.append(env[node])
     results = [env[node] for node in outputs]
+    for node, out in zip(outputs, results):
+        if node.op == "call_function" and not any(out is b for b in buffers):
+            buffers.append(out)
     written = _write_in_place(results, _epilogue_targets(call) if call is not None else {})
     for i, out in enumerate(results):
         if i in written:

@@ -49,15 +49,17 @@ _SHAPE_FREE: dict[str, fx.GraphModule] = {}
 
 
 @torch.library.custom_op("collage::chain", mutates_args=())
-def chain(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The new (hi, lo) of one MCF chain (see the module docstring)."""
+def chain(key: str, inputs: list[torch.Tensor], group: int = -1) -> list[torch.Tensor]:
+    """The new (hi, lo) of one MCF chain (see the module docstring).  ``group``: the chains
+    of one foreach op share a number >= 0 (their kernels are one horizontal kernel where
+    the backend has them), a chain of its own has -1."""
     outs = list(_graph(key)(*inputs))
     # a custom op's outputs may not alias its inputs
     return [o.clone() if any(o is i for i in inputs) else o for o in outs]
 
 
 @chain.register_fake
-def _chain_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _chain_fake(key: str, inputs: list[torch.Tensor], group: int = -1) -> list[torch.Tensor]:
     _graph(key)
     device = inputs[0].device
     return [
@@ -92,11 +94,14 @@ def outline(
     region: Sequence[fx.Node],
     outputs: Sequence[fx.Node],
     grad_enabled: bool,
+    group: int = -1,
 ) -> bool:
     """Replace ``region`` (a chain's nodes, in graph order) by one ``collage::chain`` call
     producing ``outputs``; False, and the graph untouched, when the chain must stay inline.
     ``grad_enabled``: the grad mode where the chain runs (the op has no autograd formula,
-    so a chain that autograd would record stays inline)."""
+    so a chain that autograd would record stays inline).  ``group``: a number shared by
+    the chains that replace one foreach op (-1: none), so that Inductor can lower them as
+    that op, into one horizontal kernel (:func:`_compat.register_inline_lowering`)."""
     # reads of a foreach result's elements stay where they are, as inputs
     region = [
         n
@@ -148,7 +153,8 @@ def outline(
     # every input is defined before the region's last node (some, a foreach result's
     # elements, only just before the node that reads them)
     with graph.inserting_before(region[-1]):
-        call = graph.call_function(torch.ops.collage.chain.default, (key, list(inputs)))
+        args = (key, list(inputs)) if group < 0 else (key, list(inputs), group)
+        call = graph.call_function(torch.ops.collage.chain.default, args)
         _compat.set_example_value(call, list(out_examples))
         call.meta["val"] = list(out_examples)
         items = []

@@ -501,6 +501,9 @@ def emit(
     measured: list[tuple[Accumulator, Any]] = []
     used_until = last_pair_uses(info, chains)
     grad_enabled = _grad_mode_at(graph)
+    # the chains that one foreach op's write ends: one group of horizontally fused kernels,
+    # as Inductor lowers the foreach op itself (Triton; the C++ backend fuses them anyway)
+    ends = [c.sites[-1].write.node for c in chains]
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
@@ -531,7 +534,8 @@ def emit(
             while node.target != "copy_":
                 region.append(node)
                 node = node.next
-            fuse.outline(graph, region, [new_hi.node, new_lo.node], grad_enabled[last])
+            group = info.positions[last] if ends.count(last) > 1 else -1
+            fuse.outline(graph, region, [new_hi.node, new_lo.node], grad_enabled[last], group)
         # tag the chain's nodes (what a compact printout of the graph folds into one line)
         summary = _describe_chain(chain)
         node = first_new.next

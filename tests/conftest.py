@@ -189,3 +189,25 @@ def assert_snapshot(name: str, text: str) -> None:
             difflib.unified_diff(expected.splitlines(), text.splitlines(), "expected", "actual")
         )
         raise AssertionError(f"graph snapshot {name} changed:\n{diff}")
+
+
+@pytest.fixture
+def interpreted_triton():
+    """A context manager: Inductor generates Triton for CPU tensors and Triton's interpreter
+    runs it with a GPU's bf16 rounding (tests/triton_interp.py); skips without triton."""
+    import triton_interp
+
+    reason = triton_interp.available()
+    if reason:
+        pytest.skip(reason)
+    return triton_interp.interpreted_triton
+
+
+@pytest.fixture
+def triton_device():
+    """Where a Triton test runs: ``"cuda"`` on a GPU (nothing patched), else ``"cpu"`` with
+    Triton's interpreter standing in for the GPU (tests/triton_interp.py)."""
+    import triton_interp
+
+    with triton_interp.triton_device() as device:
+        yield device

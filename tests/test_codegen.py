@@ -4,7 +4,8 @@ Inductor silently drops ``to(bf16)``/``to(float32)`` round trips inside a fused 
 turns a correct-looking Fast2Sum into a no-op.  The rewrite rounds hi (which lo is the
 remainder of) with a Veltkamp split in fp32 arithmetic, ``c = y * 2^16 + y; r = c - (c - y)``
 for bf16 and ``2^13`` for fp16; these tests read the generated source and fail if that
-signature disappears, on the C++ (CPU) backend here and on Triton where a GPU is available.
+signature disappears, on the C++ (CPU) backend and on Triton: on a GPU where there is one,
+else run by Triton's interpreter with a GPU's rounding (tests/triton_interp.py).
 ``bit_roundings`` finds the bit-pattern rounding (``(bits + lsb + 0x7FFF) & -65536``) of
 :func:`collage_compile.mcf.round_to`, which the ``"storage"`` arithmetic uses.
 """
@@ -117,25 +118,50 @@ def test_fp16_rounding_uses_the_fp16_split():
     assert "8192.0" in src and veltkamp_roundings(src) >= len(ps)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton codegen)")
+# Triton: on a CUDA GPU where there is one, else Triton's interpreter on the CPU with a GPU's
+# bf16 rounding (the ``triton_device`` fixture, tests/triton_interp.py)
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_generated_triton_keeps_the_roundings_and_the_numerics(opt_name):
-    ps = _params("cuda")
+def test_generated_triton_keeps_the_roundings_and_the_numerics(opt_name, triton_device):
+    ps = _params(triton_device)
     _, code = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
     src = "\n".join(code)
+    assert "@triton.jit" in src
     assert "65536.0" in src and veltkamp_roundings(src) >= len(ps)
     # and the compensation works after Triton compilation: SGD stream as in the CPU tests
+    # (fewer elements in the interpreter, which runs a kernel in numpy)
     torch._dynamo.reset()
-    g = torch.Generator(device="cuda").manual_seed(1)
-    p = torch.nn.Parameter((torch.randn(4096, device="cuda", generator=g) * 0.5).bfloat16())
+    n = 4096 if triton_device == "cuda" else 256
+    g = torch.Generator(device=triton_device).manual_seed(1)
+    p = torch.nn.Parameter((torch.randn(n, device=triton_device, generator=g) * 0.5).bfloat16())
     ref = p.detach().double().clone()
     start = ref.clone()
     opt = torch.optim.SGD([p], lr=1e-3, foreach=True)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     for _ in range(300):
-        grad = (0.01 + 0.005 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+        grad = (0.01 + 0.005 * torch.randn(n, device=triton_device, generator=g)).bfloat16()
         p.grad = grad
         step()
         ref.add_(grad.double(), alpha=-1e-3)
     assert relative_error(mcf_value(p), ref, start) <= 0.02
     assert relative_error(p.detach().double(), ref, start) >= 0.25
+
+
+def test_generated_triton_of_the_storage_arithmetic_rounds_every_operation(triton_device):
+    ps = _params(triton_device)
+    backend = collage_compile.make_backend(arithmetic="storage")
+    _, code = _compat.run_and_get_kernel_code(_step("sgd", ps, backend))
+    assert bit_roundings("\n".join(code)) >= 5 * len(ps)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_the_rewrite_adds_no_triton_kernels(opt_name, triton_device):
+    # the chains replacing one foreach op are one horizontal (combo) kernel, as the op is
+    _, plain = _compat.run_and_get_kernel_code(_step(opt_name, _params(triton_device), "inductor"))
+    torch._dynamo.reset()
+    ps = _params(triton_device)
+    _, ours = _compat.run_and_get_kernel_code(_step(opt_name, ps, collage_compile.backend))
+    n_plain, n_ours = len(kernel_names("\n".join(plain))), len(kernel_names("\n".join(ours)))
+    assert n_plain >= 1
+    assert n_ours == n_plain

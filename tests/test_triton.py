@@ -1,0 +1,138 @@
+"""The Triton path on a CPU: Inductor's Triton kernels, run by Triton's interpreter with a
+GPU's bf16 rounding (tests/triton_interp.py), compute what the C++ path computes.
+
+Bit for bit, not within a tolerance: both paths generate the same fp32 arithmetic with the
+same roundings (the interpreter's numpy ops are IEEE fp32, as C++ without fast-math is;
+libdevice stand-ins are the C++ path's functions), so any difference is a rounding one path
+dropped.  First plain Inductor, which checks the harness itself; then collage's steps in
+each mode and arithmetic.  Kernel counts: the rewrite adds no Triton kernels either
+(foreach chains are one horizontal kernel, :func:`collage_compile._compat._join_foreach_group`).
+
+What the interpreter cannot show (a GPU run of tests/test_codegen.py -k triton does): FMA
+contraction, approximate fp32 division, libdevice's own ulps, compile errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_codegen import kernel_names
+
+import collage_compile
+from collage_compile import _compat, state
+
+SHAPES = [(16, 8), (8,), (5, 3)]  # one odd size: the combo kernel's masks
+STEPS = 3
+
+
+def _sgd(ps, foreach=True):
+    return torch.optim.SGD(ps, lr=1e-3, foreach=foreach)
+
+
+def _sgd_momentum(ps, foreach=True):
+    return torch.optim.SGD(
+        ps, lr=1e-3, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=foreach
+    )
+
+
+def _adamw(ps, foreach=True):
+    return torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=foreach)
+
+
+def _adamw_single(ps):
+    return _adamw(ps, foreach=False)
+
+
+# (optimizer, backend options)
+CASES = {
+    "sgd-light": (_sgd, {}),
+    "sgd-momentum-light": (_sgd_momentum, {}),
+    "sgd-storage": (_sgd, {"arithmetic": "storage"}),
+    "adamw-light": (_adamw, {}),
+    "adamw-plus": (_adamw, {"mode": "plus"}),
+    "adamw-plus-single": (_adamw_single, {"mode": "plus"}),
+}
+
+# metrics=True: each parameter's chain stays inline and feeds its metrics' sums, per-tensor
+# reductions a Triton foreach kernel does not take, so the step is more kernels than plain
+# Inductor's (the C++ backend fuses it all into one loop).  AdamW's ``denom`` (bf16 in eager)
+# then crosses a kernel boundary, stored to bf16, where the C++ kernel keeps it in fp32
+# registers: the update differs in its last fp32 bits and lo by up to one bf16 ulp of lo.
+# A difference of where Inductor's kernels end, on a GPU too, not of GPU arithmetic.
+METRICS_CASES = {"sgd-metrics": (_sgd, True), "adamw-metrics": (_adamw, False)}
+
+
+def _run(make_opt, options: dict | None) -> tuple[list[torch.Tensor], int]:
+    """Every tensor the step leaves behind (weights, lo, optimizer state) after STEPS
+    compiled steps, and how many kernels its first compile generated."""
+    _compat.reset_dynamo()
+    state.clear()
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in SHAPES]
+    opt = make_opt(ps)
+    backend = "inductor" if options is None else collage_compile.make_backend(**options)
+    step = torch.compile(opt.step, backend=backend)
+    kernels = 0
+    for i in range(STEPS):
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16()
+        if i == 0:
+            _, code = _compat.run_and_get_kernel_code(step)
+            kernels = len(kernel_names("\n".join(code)))
+        else:
+            step()
+    out = [p.detach().clone() for p in ps]
+    if options is not None:
+        out += [collage_compile.value(p) for p in ps]
+    for s in opt.state.values():
+        out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out, kernels
+
+
+def _assert_bitwise_equal(cpp: list[torch.Tensor], triton: list[torch.Tensor]) -> None:
+    assert len(cpp) == len(triton)
+    for i, (a, b) in enumerate(zip(cpp, triton)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        assert torch.equal(a.view(-1), b.view(-1)), f"tensor {i}: max |cpp - triton| = {diff}"
+
+
+@pytest.mark.parametrize("make_opt", [_sgd, _sgd_momentum, _adamw], ids=["sgd", "sgd-m", "adamw"])
+def test_plain_inductor_under_the_interpreter_equals_the_cpp_path(make_opt, interpreted_triton):
+    # the harness's own check: stock Inductor kernels, no collage, the same bits
+    cpp, _ = _run(make_opt, None)
+    with interpreted_triton():
+        triton, _ = _run(make_opt, None)
+    _assert_bitwise_equal(cpp, triton)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_collage_triton_step_equals_the_cpp_path_and_adds_no_kernels(case, interpreted_triton):
+    make_opt, options = CASES[case]
+    cpp, _ = _run(make_opt, options)
+    with interpreted_triton():
+        triton, n_ours = _run(make_opt, options)
+        _, n_plain = _run(make_opt, None)
+    _assert_bitwise_equal(cpp, triton)
+    print(f"{case}: Triton kernels plain {n_plain}, collage {n_ours}")
+    assert n_plain >= 1
+    assert n_ours <= n_plain
+
+
+@pytest.mark.parametrize("case", list(METRICS_CASES))
+def test_collage_triton_step_with_metrics_matches_the_cpp_path(case, interpreted_triton):
+    make_opt, exact = METRICS_CASES[case]
+    cpp, _ = _run(make_opt, {"metrics": True})
+    with interpreted_triton():
+        triton, _ = _run(make_opt, {"metrics": True})
+    if exact:
+        _assert_bitwise_equal(cpp, triton)
+        return
+    # bf16 denom differs by up to half its ulp (2^-9 relative), so does each update
+    # (lr = 1e-3 in size): value() (hi + lo) moves by at most that over the steps; a bf16
+    # tensor (hi, the moments) by at most one ulp (the same value rounded across a tie)
+    atol = STEPS * 1e-3 * 2.0**-9
+    n = len(SHAPES)
+    for i, (a, b) in enumerate(zip(cpp, triton)):
+        rtol = 2.0**-15 if n <= i < 2 * n else 2.0**-7
+        torch.testing.assert_close(b.double(), a.double(), rtol=rtol, atol=atol)
