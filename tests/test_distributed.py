@@ -52,13 +52,28 @@ def _sq(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).pow(2).sum())
 
 
-def _train_fsdp(backend_name: str, mode: str, foreach: bool) -> dict[str, float]:
+def _on_meta() -> torch.nn.Module:
+    """torchtitan's way: built on the meta device, sharded, materialized, initialized."""
+    with torch.device("meta"):
+        model = _model()
+    _shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.reset_parameters()
+    return model
+
+
+def _train_fsdp(
+    backend_name: str, mode: str, foreach: bool, meta: bool = False
+) -> dict[str, float]:
     """One run: squared errors of this rank's shards against float64 (summed by the
     parent over ranks) and what the run's tensors look like."""
     import collage_compile
 
     rank = dist.get_rank()
-    model = _shard(_model())
+    model = _on_meta() if meta else _shard(_model())
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=foreach)
     ema = [p.detach().clone() for p in params]
@@ -122,6 +137,7 @@ def _fsdp_numerics(rank: int, world: int) -> dict[str, dict[str, float]]:
         return {
             "plus-foreach": _train_fsdp("collage", "plus", True),
             "light-single": _train_fsdp("collage", "light", False),
+            "light-meta": _train_fsdp("collage", "light", True, meta=True),
             "plain": _train_fsdp("plain", "light", True),
         }
 
@@ -148,11 +164,47 @@ def test_fsdp2_optimizer_step_tracks_float64():
         assert plain >= max(0.3, 10 * err)
         assert plain_ema >= max(0.3, 10 * ema)
     for r in ranks:
-        for name in ("plus-foreach", "light-single"):
+        for name in ("plus-foreach", "light-single", "light-meta"):
             assert r[name]["lo_is_dtensor"] and r[name]["lo_local_shape"]
             assert r[name]["value_is_dtensor"]
         assert r["plus-foreach"]["state_los"] > 0  # plus: the moments carry pairs too
         assert r["light-single"]["state_los"] == 0
+
+
+def _fsdp_mixed_precision(rank: int, world: int) -> bool:
+    """fp32 sharded parameters, bf16 compute (MixedPrecisionPolicy): nothing to pair; the
+    step must equal plain Inductor's bit for bit, with no warning."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import collage_compile
+
+    results = []
+    for backend in (collage_compile.backend, "inductor"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 8)
+        )
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for m in (model[0], model[2], model):
+            fully_shard(m, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+        step = torch.compile(opt.step, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for i in range(3):
+                model(_batch(i, rank)).float().pow(2).mean().backward()
+                step()
+                opt.zero_grad()
+        assert all(collage_compile.components(p)[1] is None for p in model.parameters())
+        results.append([_local(p).detach().clone() for p in model.parameters()])
+        torch._dynamo.reset()
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_fsdp2_mixed_precision_leaves_fp32_alone():
+    assert run_ranks(_fsdp_mixed_precision, 2) == [True, True]
 
 
 # ------------------------------------------------------------------ distributed checkpoint
