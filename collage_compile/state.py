@@ -153,6 +153,15 @@ def los_overlapping(t: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Te
     return out
 
 
+def any_registered(ids: set[int]) -> bool:
+    """Whether any tensor of these ids (``id(t)``) is alive and carries a pair."""
+    for i in ids:
+        entry = _entries.get(i)
+        if entry is not None and entry[0]() is not None:
+            return True
+    return False
+
+
 def get_lo(t: torch.Tensor) -> torch.Tensor | None:
     """The lo component of ``t`` if it has one (no allocation)."""
     entry = _entries.get(id(t))

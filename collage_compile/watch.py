@@ -234,6 +234,11 @@ def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> 
     if function not in _frames:
         return
     upgraded, ids = _frames[function]
+    if ids and not state.any_registered(ids):
+        # the tensors its collage graphs upgraded are gone (a model trained, deleted and
+        # torch._dynamo.reset(): the same code compiled again, maybe by another backend)
+        del _frames[function]
+        return
     _limit_named.update(ids)
     more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
     shown = ", ".join(upgraded[:4]) + more
