@@ -420,3 +420,91 @@ def test_ddp_compiled_train_step_keeps_ranks_identical():
     # one process takes the mean over the whole batch: the gradients differ by bf16
     # roundings, which Adam's normalized step carries into each update
     assert r0["vs_single"] <= 0.02
+
+
+# --------------------------------------------------------------- other meshes and placements
+
+
+def _placements(rank: int, world: int) -> dict[str, float]:
+    """HSDP (a 2-D mesh: replicate x shard) through fully_shard, and a tensor-parallel
+    Shard(1) weight built with distribute_tensor, each against float64 and plain bf16."""
+    import warnings
+
+    from torch._functorch import config as functorch_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import collage_compile
+
+    out: dict[str, float] = {}
+    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    mesh1d = init_device_mesh("cpu", (world,))
+    for backend_name in ("collage", "plain"):
+        backend = collage_compile.make_backend(mode="plus") if backend_name == "collage" else None
+        # plain Inductor: its AOTAutograd cache would serve the other rank's shard (above)
+        functorch_config.enable_autograd_cache = backend_name == "collage"
+        # HSDP
+        model = _model()
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=mesh2d)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
+        step = torch.compile(opt.step, backend=backend or "inductor")
+        ref = [_local(p).detach().double().clone() for p in params]
+        init = [r.clone() for r in ref]
+        ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=WD)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for i in range(STEPS):
+                model(_batch(i, rank)).float().pow(2).mean().backward()
+                for r, p in zip(ref, params):
+                    r.grad = _local(p.grad).double()
+                step()
+                ref_opt.step()
+                opt.zero_grad()
+        out[f"hsdp-{backend_name}-err"] = sum(
+            _sq(_local(collage_compile.value(p)), r) for p, r in zip(params, ref)
+        )
+        out[f"hsdp-{backend_name}-move"] = sum(_sq(r, r0) for r, r0 in zip(ref, init))
+        if backend_name == "collage":
+            lo = collage_compile.components(params[0])[1]
+            out["hsdp-lo-placements"] = lo.placements == params[0].placements
+        torch._dynamo.reset()
+        # tensor parallel: a row-sharded-input weight (Shard(1)), gradients placed alike
+        g = torch.Generator().manual_seed(7)
+        full = torch.randn(8, 6, generator=g).to(torch.bfloat16)
+        p = torch.nn.Parameter(distribute_tensor(full, mesh1d, [Shard(1)]))
+        opt = torch.optim.AdamW([p], lr=LR, weight_decay=WD, foreach=False)
+        step = torch.compile(opt.step, backend=backend or "inductor")
+        ref = full.double().clone()
+        ref_opt = torch.optim.AdamW([ref], lr=LR, weight_decay=WD)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for _ in range(STEPS):
+                grad = torch.randn(8, 6, generator=g).to(torch.bfloat16)
+                p.grad = distribute_tensor(grad, mesh1d, [Shard(1)])
+                ref.grad = grad.double()
+                step()
+                ref_opt.step()
+        value = collage_compile.value(p).full_tensor()
+        out[f"tp-{backend_name}"] = math.sqrt(_sq(value, ref) / _sq(ref, full))
+        if backend_name == "collage":
+            lo = collage_compile.components(p)[1]
+            out["tp-lo-placements"] = lo.placements == (Shard(1),)
+        torch._dynamo.reset()
+    return out
+
+
+def test_hsdp_and_tensor_parallel_placements():
+    ranks = run_ranks(_placements, 2)
+    hsdp = {b: _rel(ranks, f"hsdp-{b}-err", f"hsdp-{b}-move") for b in ("collage", "plain")}
+    tp = {b: ranks[0][f"tp-{b}"] for b in ("collage", "plain")}
+    print(
+        f"HSDP (1 x 2 mesh) AdamW plus {hsdp['collage']:.2e} (plain {hsdp['plain']:.2e}); "
+        f"tensor-parallel Shard(1) {tp['collage']:.2e} (plain {tp['plain']:.2e})"
+    )
+    for err in (hsdp, tp):
+        assert err["collage"] <= 0.02
+        assert err["plain"] >= max(0.3, 10 * err["collage"])
+    assert all(r["hsdp-lo-placements"] and r["tp-lo-placements"] for r in ranks)
