@@ -325,3 +325,40 @@ def test_torch_distributed_checkpoint_round_trips_every_lo(tmp_path):
         assert torch.equal(_bits(p), _bits(q))
         assert torch.equal(_bits(state.get_lo(q)), _bits(state.get_lo(p)))
         assert state.get_lo(p).abs().max() > 0
+
+
+def test_a_loaded_ema_is_not_reported_as_written_from_outside():
+    """An EMA's weights enter its compiled update as arguments (paired by view); loading
+    its state dict pairs them by identity, which supersedes the view pair: the steps after
+    the load must not report the load as an outside write."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    ema = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    ema.load_state_dict(model.state_dict())
+    params, ema_params = list(model.parameters()), list(ema.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    step = torch.compile(opt.step, backend=collage_compile.backend)
+
+    @torch.compile(backend=collage_compile.backend)
+    def ema_update(targets, sources):
+        torch._foreach_lerp_(targets, sources, 0.1)
+
+    collage_compile.attach(opt, ema)
+
+    def train(n):
+        for _ in range(n):
+            for p in params:
+                p.grad = torch.randn_like(p) * 0.01
+            step()
+            with torch.no_grad():
+                ema_update(ema_params, [p.detach() for p in params])
+
+    train(2)
+    saved = ema.state_dict()
+    ema.load_state_dict(saved)
+    assert all(collage_compile.components(e)[1] is not None for e in ema_params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        train(3)

@@ -10,6 +10,7 @@ still holds what earlier steps left in it), and the next compiled step resumes f
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -143,6 +144,25 @@ def test_the_recompile_limit_is_named_once():
     assert len(msgs) == 1, msgs
     assert "hit config.recompile_limit (1)" in msgs[0] and "'step'" in msgs[0]
     assert "plain low precision" in msgs[0]
+
+
+def test_plain_inductor_reaching_the_limit_after_collage_is_not_named():
+    """The same code compiled by collage for a model now gone, then by plain Inductor,
+    which reaches the limit: nothing of collage's loses compensation, so no warning."""
+    p, opt, step, g = _setup(1)
+    del p, opt, step
+    torch._dynamo.reset()
+    gc.collect()  # the model is gone (a reference cycle in Dynamo's frames may hold it)
+    q = torch.nn.Parameter(torch.randn(32, 16, generator=g).to(torch.bfloat16))
+    opt = torch.optim.AdamW([q], lr=1e-4)
+    plain = torch.compile(opt.step, backend="inductor")
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for k in range(3):
+            opt.param_groups[0]["maximize"] = bool(k % 2 == 0)
+            _grad(q, g)
+            plain()
+    assert _collage_warnings(rec) == []
 
 
 def test_an_ema_updated_eagerly_is_named_and_its_lo_is_not_used():
