@@ -1,13 +1,16 @@
 """What ``metrics=True`` costs on a compiled AdamW step, measured side by side in one run.
 
-    python -m benchmarks.metrics_overhead [--size small|cpu|gpu] [--foreach] [--rounds 15]
+    python -m benchmarks.metrics_overhead [--size small|cpu|gpu] [--foreach] [--rounds 7]
+                                          [--every 64]
 
-Four copies of the same bf16 parameters (a GPT-style layer list), each with its own stock
-``torch.optim.AdamW`` and compiled step: collage light without and with metrics, and
-``mode="off"`` (plain bf16, the graph Inductor would compile) without and with metrics.
-Steps are timed interleaved (round-robin, several rounds) and the median per variant is
-printed with the ratio metrics-on / metrics-off, plus the kernels and loop nests Inductor
-generated for each step (read from its C++ / Triton source).
+Copies of the same bf16 parameters (a GPT-style layer list), each with its own stock
+``torch.optim.AdamW`` and compiled step, for collage light, collage plus and ``mode="off"``
+(plain bf16, the graph Inductor would compile): without metrics, with metrics on every
+step, and with ``every=K`` (one step in K measured, the others run the graph compiled
+without the measurement).  Each timed sample is K steps of every variant (so an every=K
+sample holds exactly one measured step), taken round-robin over several rounds; the
+median per step and the ratio to the same mode without metrics are printed, with the
+kernels and loop nests Inductor generated (read from its C++ / Triton source).
 """
 
 from __future__ import annotations
@@ -73,18 +76,32 @@ def main() -> None:
     ap.add_argument("--size", choices=SIZES, default="small")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--every", type=int, default=64, help="K of the every=K variants")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time (with --threads 1 all the work is on this thread; "
+        "robust to other jobs on a shared machine)",
+    )
     args = ap.parse_args()
+    # nine AdamW instances share torch.optim's step code: Dynamo's limit of 8 graphs per
+    # code object would leave the last ones eager (docs/limits.md)
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     shapes = layer_shapes(*SIZES[args.size])
     n = sum(torch.Size(s).numel() for s in shapes)
-    variants = {
-        "light": dict(mode="light"),
-        "light+metrics": dict(mode="light", metrics=True),
-        "off (plain bf16)": dict(mode="off"),
-        "off+metrics": dict(mode="off", metrics=True),
-    }
+    variants = {}
+    for mode in ("light", "plus", "off"):
+        variants[mode] = dict(mode=mode)
+        variants[f"{mode}+metrics"] = dict(mode=mode, metrics=True)
+        variants[f"{mode}+metrics/{args.every}"] = dict(mode=mode, metrics=True, every=args.every)
     steps, info = {}, {}
     for name, options in variants.items():
         ps = make_params(shapes, args.device)
@@ -99,17 +116,18 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, fn in steps.items():
             sync(args.device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
+            t0 = clock()
+            for _ in range(args.every):
                 fn()
             sync(args.device)
-            samples[name].append((time.perf_counter() - t0) / args.steps)
+            samples[name].append((clock() - t0) / args.every)
     med = {name: statistics.median(v) for name, v in samples.items()}
 
     print(
         f"AdamW step, {n / 1e6:.2f}M bf16 params in {len(shapes)} tensors, "
         f"foreach={args.foreach}, {args.device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds"
+        f"{torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds of "
+        f"{args.every} steps ({'thread CPU' if args.clock == 'cpu' else 'wall-clock'} time)"
     )
     print(
         f"{'variant':<18} {'ms/step':>8} {'ns/param':>9} {'compile s':>10} {'kernels':>8} {'loops':>6}"
@@ -119,9 +137,13 @@ def main() -> None:
         print(
             f"{name:<18} {med[name] * 1e3:8.2f} {med[name] * 1e9 / n:9.3f} {c:10.1f} {k:8d} {lp:6d}"
         )
-    for on, off in (("light+metrics", "light"), ("off+metrics", "off (plain bf16)")):
-        print(f"overhead of metrics, {off.split(' ')[0]}: {med[on] / med[off]:.3f}x")
-    print(f"collage light vs plain bf16: {med['light'] / med['off (plain bf16)']:.3f}x")
+    for mode in ("light", "plus", "off"):
+        base = med[mode]
+        print(
+            f"overhead of metrics, {mode}: every step {med[mode + '+metrics'] / base:.3f}x, "
+            f"every={args.every} {med[f'{mode}+metrics/{args.every}'] / base:.3f}x"
+        )
+    print(f"collage light vs plain bf16: {med['light'] / med['off']:.3f}x")
 
 
 if __name__ == "__main__":

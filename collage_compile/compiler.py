@@ -106,7 +106,35 @@ def _may_alias_a_pair(acc: Accumulator) -> bool:
 def compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig
 ) -> Callable[..., Any]:
-    """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor."""
+    """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor
+    (with ``every > 1``, twice: with the metrics and without, see :class:`_EveryK`)."""
+    compiled = _compile_graph(gm, example_inputs, config)
+    if config.every == 1 or not isinstance(compiled, _LoInputs) or compiled.metrics is None:
+        return compiled
+    quiet = dataclasses.replace(config, metrics=False, every=1)
+    return _EveryK(compiled, _compile_graph(gm, example_inputs, quiet, record=False), config.every)
+
+
+class _EveryK:
+    """Calls the graph that measures on the first call and every ``every``-th after it,
+    the same graph compiled without the measurement otherwise.  Both update the same
+    tensors and pairs the same way (``tests/test_metrics.py`` asserts the weights are
+    bit-identical to ``metrics=False``); which one runs is the wrapper's choice, so a
+    step never recompiles for it."""
+
+    def __init__(self, measured: _LoInputs, plain: Callable[..., Any], every: int):
+        self.measured, self.plain, self.every = measured, plain, every
+        self.metrics = measured.metrics
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        n, self.calls = self.calls, self.calls + 1
+        return (self.measured if n % self.every == 0 else self.plain)(*args)
+
+
+def _compile_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig, record: bool = True
+) -> Callable[..., Any]:
     from collage_compile import modes, passes, rewrite
 
     watch.install()
@@ -126,8 +154,9 @@ def compile_graph(
     modes.select(info, ctx, config)
     unsupported = [w for w in info.writes if w.acc.eligible and w not in ctx.sites]
     rep = report.GraphReport.build(info, ctx.sites, unsupported, config)
-    rep.warn_unsupported()
-    report.record(rep)
+    if record:  # the same graph compiled a second time (every=) is not reported again
+        rep.warn_unsupported()
+        report.record(rep)
     if config.mode == "off":
         return _measure_only(original, gm, info, measured_sites, example_inputs, config)
 

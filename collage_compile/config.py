@@ -38,12 +38,20 @@ class CollageConfig:
         applied (EDQ on hi + lo and on hi, the share of elements whose hi did not move, the
         size of lo): :func:`collage_compile.last_metrics`.  Off by default; off changes
         nothing in the generated code.
+    every:
+        With ``metrics``, measure one step in ``every`` (the first, then every ``every``-th
+        call of each compiled graph), each measured step exactly as with ``every=1``; the
+        other steps run a graph compiled without the measurement, chosen per call by the
+        backend's wrapper (no recompile, no guard).  Set it to the logging interval: the
+        measurement costs a few times a step, so ``every=64`` makes it a few percent.
+        Compiling takes twice as long (both graphs are compiled up front).
     """
 
     mode: str = "light"
     arithmetic: str = "fp32"
     plus_min_decay: float = 0.99
     metrics: bool = False
+    every: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -54,6 +62,12 @@ class CollageConfig:
             )
         if not isinstance(self.metrics, bool):
             raise TypeError(f"collage: metrics must be True or False, got {self.metrics!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"collage: every must be an int >= 1, got {self.every!r}")
+        if self.every > 1 and not self.metrics:
+            raise ValueError(
+                "collage: every= says how often metrics are measured: set metrics=True"
+            )
         if self.arithmetic not in ARITHMETICS:
             raise ValueError(
                 f"collage: arithmetic must be one of {ARITHMETICS}, got {self.arithmetic!r}"

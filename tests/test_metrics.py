@@ -276,3 +276,61 @@ def test_a_train_step_is_explained_logged_and_measured_per_tensor_and_group(capl
         torch._logging.set_logs()
     err = capfd.readouterr().err
     assert re.search(r"net\.3\.bias\s+\[8\]\s+bfloat16\s+mul_ \+ addcdiv_\s+yes", err), err[-2000:]
+
+
+def test_every_k_measures_one_step_in_k_exactly_and_changes_no_update():
+    """every=3 over 7 steps measures steps 0, 3 and 6: the metrics of step 6 are those a
+    measure-every-step run reports for its step 6 (the same update stream), the steps in
+    between leave them alone, and the weights, lo and state are bit-identical to a run
+    without metrics (the unmeasured steps run another compiled graph, not a recompile)."""
+    from torch._dynamo.utils import counters
+
+    def run(**options):
+        _compat.reset_dynamo()
+        state.clear()
+        collage_compile.reset_metrics()
+        counters.clear()
+        seen = []
+
+        def before(ps, opt):
+            seen.append(collage_compile.last_metrics())
+
+        ps, opt = _train(
+            "adamw",
+            True,
+            7,
+            collage_compile.make_backend(mode="plus", **options),
+            before_last=before,
+        )
+        los = [state.components(p)[1].clone() for p in ps]
+        return (
+            ps,
+            los,
+            opt,
+            seen[0],
+            collage_compile.last_metrics(),
+            counters["stats"]["unique_graphs"],
+        )
+
+    every, los_e, opt_e, at5_e, at6_e, graphs_e = run(metrics=True, every=3)
+    _, _, _, at5_x, at6_x, graphs_x = run(metrics=True)
+    plain, los_p, opt_p, _, _, _ = run()
+    print(f"\nevery=3: after step 5 {at5_e}\n  after step 6 {at6_e}\nevery step: {at6_x}")
+    assert at6_e == at6_x  # the same step, measured the same way
+    assert at5_e != at5_x  # steps 4 and 5 were not measured: the values are step 3's
+    # compensated, measurably: hi alone applies about half of the step, hi + lo all of it
+    assert at6_e["edq"] >= 0.99 and at6_e["edq_hi"] <= 0.7
+    assert graphs_e == graphs_x  # Dynamo compiled the same frames: no recompile for every=
+    for a, b, lo_a, lo_b in zip(every, plain, los_e, los_p):
+        assert torch.equal(a, b) and torch.equal(lo_a, lo_b)
+    for sa, sb in zip(opt_e.state.values(), opt_p.state.values()):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_every_needs_metrics_and_a_positive_count():
+    with pytest.raises(ValueError, match="metrics=True"):
+        collage_compile.make_backend(every=4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="every must be"):
+            collage_compile.make_backend(metrics=True, every=bad)
