@@ -7,6 +7,7 @@ imports ``torch._dynamo``, ``torch._inductor``, ``torch._guards`` or ``torch._su
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -283,10 +284,10 @@ def compile_with_inductor(
     keys on the local shapes and stays on."""
     from torch._inductor.compile_fx import compile_fx
 
-    if any(is_dtensor(t) for t in example_inputs):
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
-    return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
+    no_cache = any(is_dtensor(t) for t in example_inputs)
+    scope = torch._functorch.config.patch(enable_autograd_cache=False)
+    with scope if no_cache else contextlib.nullcontext():
+        return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
 
 
 def no_input_asserts_patch() -> dict[str, Any]:

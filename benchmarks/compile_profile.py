@@ -1,0 +1,61 @@
+"""Where a cold compile of the AdamW step spends its time: cProfile of one compile.
+
+    python -m benchmarks.compile_profile --variant plus [--size t300]
+
+One fresh process, a fresh Inductor cache, one torch thread; prints the total, Dynamo's
+per-stage compile times (``torch._dynamo.utils.compile_times``) and the functions with the
+most cumulative time.  The profiler inflates Python-heavy stages, so compare variants with
+each other, not with ``benchmarks.compile_time``'s unprofiled seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", choices=("plain", "light", "plus"), default="plus")
+    ap.add_argument("--size", default="t300")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="collage-prof-")
+    import torch
+    from torch._dynamo.utils import compile_times
+
+    import collage_compile
+    from benchmarks.metrics_overhead import SIZES, layer_shapes
+    from benchmarks.step import LR, WD, make_params
+
+    torch.set_num_threads(1)
+    torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.ones(8))
+    ps = make_params(layer_shapes(*SIZES[args.size]), "cpu", torch.bfloat16)
+    opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
+    plain = args.variant == "plain"
+    backend = "inductor" if plain else collage_compile.make_backend(mode=args.variant)
+    step = torch.compile(opt.step, backend=backend)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    step()
+    prof.disable()
+    print(f"{args.variant} --size {args.size}: {time.perf_counter() - t0:.1f} s (profiled)")
+    print(compile_times(repr="str", aggregate=True))
+    rows = sorted(
+        (
+            (ct, f"{os.path.basename(f)}:{fn}")
+            for (f, _, fn), (_, _, _, ct, _) in pstats.Stats(prof).stats.items()
+        ),
+        reverse=True,
+    )
+    for ct, name in rows[: args.top]:
+        print(f"{ct:8.1f} {name}")
+
+
+if __name__ == "__main__":
+    main()
