@@ -242,6 +242,15 @@ def convert(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """
     if not dtype.is_floating_point:
         raise TypeError(f"collage: convert() needs a floating dtype, got {dtype}")
+    for name, p in module.named_parameters():
+        if _compat.is_dtensor(p) and p.is_floating_point() and p.dtype != dtype:
+            # FSDP2 owns its sharded parameters' storage: replacing p.data would cut it loose
+            raise TypeError(
+                f"collage: convert() cannot change the dtype of {name}, a DTensor (FSDP2 "
+                "parameter): build the model in the target dtype before fully_shard and "
+                "load the values with collage_compile.set_value(p, value) "
+                "(docs/distributed.md)"
+            )
     with torch.no_grad():
         for p in module.parameters():
             if not p.is_floating_point() or p.dtype == dtype:
