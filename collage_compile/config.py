@@ -42,8 +42,8 @@ class CollageConfig:
         With ``metrics``, measure one step in ``every`` (the first, then every ``every``-th
         call of each compiled graph), each measured step exactly as with ``every=1``; the
         other steps run a graph compiled without the measurement, chosen per call by the
-        backend's wrapper (no recompile, no guard).  Set it to the logging interval: the
-        measurement costs a few times a step, so ``every=64`` makes it a few percent.
+        backend's wrapper (no recompile, no guard).  Set it to the logging interval: a
+        measured step costs 2.5x to 3x an unmeasured one on CPU (docs/metrics.md).
         Compiling takes twice as long (both graphs are compiled up front).
     """
 
