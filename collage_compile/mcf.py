@@ -59,6 +59,7 @@ __all__ = [
     "mul",
     "renormalize",
     "round_to",
+    "round_to_fp32",
     "split",
     "split_constant",
     "split_round",
@@ -99,6 +100,14 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
         r = _round_bf16_bits(x)
         # a NaN whose payload sits only in the 16 dropped bits would carry into inf
         return torch.where(x != x, x, r)
+    return _round_veltkamp(x, dtype)
+
+
+def round_to_fp32(x: Any, dtype: torch.dtype) -> Any:
+    """:func:`round_to` made of fp32 arithmetic alone (a Veltkamp split with its huge,
+    subnormal and non-finite branches): the same bits for every input, NaN included.
+    For C++ kernels: about fifteen vector operations where the bit version's two bitcasts
+    go through memory one lane at a time (``python -m benchmarks.rounding``)."""
     return _round_veltkamp(x, dtype)
 
 

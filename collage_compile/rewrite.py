@@ -596,8 +596,9 @@ def emit_measurements(
             # Inductor may hand this read the fp32 value it is about to store instead of the
             # stored one (it keeps fused bf16 chains in fp32 registers, FIELD_NOTES 1):
             # rounding it again (to nearest even, as the store does) is a no-op on a stored
-            # value and the store's own rounding on the other
-            new = mcf.round_to(em.proxy(acc.node).float(), acc.dtype)
+            # value and the store's own rounding on the other; in fp32 arithmetic, which
+            # C++ kernels vectorize (a bitcast there is a loop over the lanes)
+            new = mcf.round_to_fp32(em.proxy(acc.node).float(), acc.dtype)
             sums = _metrics.step_sums(old, 0.0, new, None, delta)
         measured.append((acc, sums.node))
     return measured

@@ -109,11 +109,14 @@ def test_round_to_equals_a_cast_for_every_kind_of_fp32_input(dtype):
     ties = torch.cat([mid, torch.nextafter(mid, mid * 2), torch.nextafter(mid, mid * 0)])
     x = torch.cat([x, special, ties])
     ref = x.to(dtype).float()
-    assert _same_bits(mcf.round_to(x, dtype), ref)
-    fn = torch.compile(
-        lambda v: mcf.round_to(v, dtype), dynamic=False, options=collage_compile.inductor_options()
-    )
-    assert _same_bits(fn(x), ref), "compiled round_to differs from a cast"
+    for round_fn in (mcf.round_to, mcf.round_to_fp32):
+        assert _same_bits(round_fn(x, dtype), ref), round_fn.__name__
+        fn = torch.compile(
+            lambda v, f=round_fn: f(v, dtype),
+            dynamic=False,
+            options=collage_compile.inductor_options(),
+        )
+        assert _same_bits(fn(x), ref), f"compiled {round_fn.__name__} differs from a cast"
 
 
 @SETTINGS
