@@ -3,14 +3,17 @@
     python -m benchmarks.metrics_overhead [--size small|cpu|gpu] [--foreach] [--rounds 7]
                                           [--every 64]
 
-Copies of the same bf16 parameters (a GPT-style layer list), each with its own stock
-``torch.optim.AdamW`` and compiled step, for collage light, collage plus and ``mode="off"``
-(plain bf16, the graph Inductor would compile): without metrics, with metrics on every
-step, and with ``every=K`` (one step in K measured, the others run the graph compiled
-without the measurement).  Each timed sample is K steps of every variant (so an every=K
+bf16 parameters (a GPT-style layer list) with a stock ``torch.optim.AdamW`` for each of
+collage light, collage plus and ``mode="off"`` (plain bf16, the graph Inductor would
+compile), whose step is compiled three times over the same parameters and state: without
+metrics, with metrics on every step, and with ``every=K`` (one step in K measured, the
+others run the graph compiled without the measurement).  Each timed sample is K steps of every variant (so an every=K
 sample holds exactly one measured step), taken round-robin over several rounds; the
-median per step and the ratio to the same mode without metrics are printed, with the
-kernels and loop nests Inductor generated (read from its C++ / Triton source).
+median per step is printed, with the kernels and loop nests Inductor generated (read from
+its C++ / Triton source).  The overhead of a variant is the median over rounds of its
+sample divided by its mode's sample without metrics in the same round (a few seconds
+apart), so a drift of the machine between rounds cancels out; each sample follows an
+untimed step of the same parameters.
 """
 
 from __future__ import annotations
@@ -102,19 +105,32 @@ def main() -> None:
         variants[mode] = dict(mode=mode)
         variants[f"{mode}+metrics"] = dict(mode=mode, metrics=True)
         variants[f"{mode}+metrics/{args.every}"] = dict(mode=mode, metrics=True, every=args.every)
+        # the same step compiled once more without metrics: what this comparison reads
+        # when nothing differs (the machine's noise)
+        variants[f"{mode} again"] = dict(mode=mode)
     steps, info = {}, {}
-    for name, options in variants.items():
+    for mode in ("light", "plus", "off"):
+        # the variants of a mode step the same parameters, pairs and optimizer state (the
+        # metrics change no update): a copy of its own for each would put each variant's
+        # 16M parameters elsewhere in memory, which alone moved a step by 10 %
         ps = make_params(shapes, args.device)
         opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=args.foreach)
-        fn = torch.compile(opt.step, backend=collage_compile.make_backend(**options))
-        t0 = time.perf_counter()
-        _, code = _compat.run_and_keep_kernel_code(fn)
-        sync(args.device)
-        info[name] = (time.perf_counter() - t0, *count_code(code))
-        steps[name] = fn
+        names = [name for name, options in variants.items() if options["mode"] == mode]
+        for name in names:  # each backend compiles its own graph of the same step
+            steps[name] = torch.compile(
+                opt.step, backend=collage_compile.make_backend(**variants[name])
+            )
+        for name in names:
+            t0 = time.perf_counter()
+            _, code = _compat.run_and_keep_kernel_code(steps[name])
+            sync(args.device)
+            info[name] = (time.perf_counter() - t0, *count_code(code))
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in steps.items():
+            # an untimed step of the same parameters first: a sample that follows another
+            # mode's would otherwise pay for bringing its tensors back into the caches
+            steps[variants[name]["mode"]]()
             sync(args.device)
             t0 = clock()
             for _ in range(args.every):
@@ -137,13 +153,19 @@ def main() -> None:
         print(
             f"{name:<18} {med[name] * 1e3:8.2f} {med[name] * 1e9 / n:9.3f} {c:10.1f} {k:8d} {lp:6d}"
         )
+
+    def overhead(name: str, base: str) -> float:
+        return statistics.median(v / b for v, b in zip(samples[name], samples[base]))
+
+    k = args.every
     for mode in ("light", "plus", "off"):
-        base = med[mode]
+        every_step = overhead(mode + "+metrics", mode)
         print(
-            f"overhead of metrics, {mode}: every step {med[mode + '+metrics'] / base:.3f}x, "
-            f"every={args.every} {med[f'{mode}+metrics/{args.every}'] / base:.3f}x"
+            f"overhead of metrics, {mode}: every step {every_step:.3f}x, "
+            f"every={k} {overhead(f'{mode}+metrics/{k}', mode):.3f}x "
+            f"(one measured step in {k}: {1 + (every_step - 1) / k:.3f}x expected; "
+            f"no metrics, compiled again: {overhead(mode + ' again', mode):.3f}x)"
         )
-    print(f"collage light vs plain bf16: {med['light'] / med['off']:.3f}x")
 
 
 if __name__ == "__main__":
