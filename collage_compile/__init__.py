@@ -16,7 +16,7 @@ from collage_compile.checkpoint import attach, convert, set_value
 from collage_compile.compiler import inductor_options, make_backend
 from collage_compile.config import CollageConfig
 from collage_compile.diagnostics import CollageWarning
-from collage_compile.metrics import last_metrics, metered, reset_metrics
+from collage_compile.metrics import last_metrics, measuring, metered, reset_metrics
 from collage_compile.names import name_tensors
 from collage_compile.optim import GradScaler, compile_optimizer
 from collage_compile.report import Explanation, explain
@@ -36,6 +36,7 @@ __all__ = [
     "inductor_options",
     "last_metrics",
     "make_backend",
+    "measuring",
     "metered",
     "name_tensors",
     "reset_metrics",

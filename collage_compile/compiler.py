@@ -32,7 +32,7 @@ import torch.fx as fx
 from collage_compile import _compat, names, report, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
-from collage_compile.metrics import GraphMetrics, Row
+from collage_compile.metrics import GraphMetrics, Row, measuring_now
 
 log = logging.getLogger("collage_compile")
 
@@ -116,11 +116,11 @@ def compile_graph(
 
 
 class _EveryK:
-    """Calls the graph that measures on the first call and every ``every``-th after it,
-    the same graph compiled without the measurement otherwise.  Both update the same
-    tensors and pairs the same way (``tests/test_metrics.py`` asserts the weights are
-    bit-identical to ``metrics=False``); which one runs is the wrapper's choice, so a
-    step never recompiles for it."""
+    """Calls the graph that measures on the first call, every ``every``-th after it and
+    inside :func:`collage_compile.measuring`, the same graph compiled without the
+    measurement otherwise.  Both update the same tensors and pairs the same way
+    (``tests/test_metrics.py`` asserts the weights are bit-identical to ``metrics=False``);
+    which one runs is the wrapper's choice, so a step never recompiles for it."""
 
     def __init__(self, measured: _LoInputs, plain: Callable[..., Any], every: int):
         self.measured, self.plain, self.every = measured, plain, every
@@ -129,7 +129,8 @@ class _EveryK:
 
     def __call__(self, *args: Any) -> Any:
         n, self.calls = self.calls, self.calls + 1
-        return (self.measured if n % self.every == 0 else self.plain)(*args)
+        measure = n % self.every == 0 or measuring_now()
+        return (self.measured if measure else self.plain)(*args)
 
 
 def _compile_graph(

@@ -40,11 +40,14 @@ class CollageConfig:
         nothing in the generated code.
     every:
         With ``metrics``, measure one step in ``every`` (the first, then every ``every``-th
-        call of each compiled graph), each measured step exactly as with ``every=1``; the
+        call of each compiled graph, and every call inside
+        :func:`collage_compile.measuring`, which :func:`collage_compile.metered` opens
+        around the steps it reports), each measured step exactly as with ``every=1``; the
         other steps run a graph compiled without the measurement, chosen per call by the
-        backend's wrapper (no recompile, no guard).  Set it to the logging interval: a
-        measured step costs 2.5x to 3x an unmeasured one on CPU (docs/metrics.md).
-        Compiling takes twice as long (both graphs are compiled up front).
+        backend's wrapper (no recompile, no guard).  Set it to the logging interval or
+        larger: a measured step costs about 2x to 3x an unmeasured one on CPU
+        (docs/metrics.md).  Compiling takes twice as long (both graphs are compiled up
+        front).
     """
 
     mode: str = "light"

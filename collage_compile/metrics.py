@@ -30,6 +30,7 @@ strategies can be compared in one run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -47,6 +48,7 @@ __all__ = [
     "FIELDS",
     "intended_delta",
     "last_metrics",
+    "measuring",
     "metered",
     "reset_metrics",
     "step_sums",
@@ -245,6 +247,34 @@ def reset_metrics() -> None:
             g.latest = None
 
 
+_measuring = 0  # measuring() blocks open
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """Every graph compiled with ``metrics=True`` that runs inside this block measures its
+    call, whatever its ``every``, so :func:`last_metrics` read after the block describes
+    this step (:func:`metered` wraps the steps it reports in it).
+
+        with collage_compile.measuring():
+            train_step(batch)
+        logger.log(collage_compile.last_metrics(), step=i)
+    """
+    global _measuring
+    with _lock:
+        _measuring += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _measuring -= 1
+
+
+def measuring_now() -> bool:
+    """Whether a :func:`measuring` block is open (the compiled graphs' wrapper asks)."""
+    return _measuring > 0
+
+
 def metered(
     iterable: Iterable[Any],
     every: int = 1,
@@ -258,16 +288,23 @@ def metered(
         for step, batch in collage_compile.metered(enumerate(loader), every=50,
                                                    callback=lambda i, m: wandb.log(m, step=i)):
             train_step(batch)
+
+    The body of each reported iteration runs inside :func:`measuring`: what is reported
+    is that step's, also with ``make_backend(every=K)``, whose graphs measure one call in
+    K otherwise (set K to the same interval or larger).
     """
     if every < 1:
         raise ValueError(f"collage: metered(every=...) must be >= 1, got {every!r}")
     emit = callback or _log_line
     for step, item in enumerate(iterable):
-        yield item
-        if (step + 1) % every == 0:
-            m = last_metrics(by)
-            if m:
-                emit(step, m)
+        if (step + 1) % every:
+            yield item
+            continue
+        with measuring():
+            yield item
+        m = last_metrics(by)
+        if m:
+            emit(step, m)
 
 
 def _log_line(step: int, m: dict[str, float]) -> None:

@@ -328,6 +328,46 @@ def test_every_k_measures_one_step_in_k_exactly_and_changes_no_update():
             assert torch.equal(sa[k], sb[k]), k
 
 
+def test_metered_reports_the_step_it_names_whatever_every_is():
+    """A loop that logs every 3rd step through ``metered`` on a backend with every=50: each
+    reported step is measured (``measuring``) and its metrics equal those a
+    measure-every-step run reports for that step; a step outside the logged ones is not
+    measured, and the weights are those of the every-step run."""
+
+    def run(**options):
+        _compat.reset_dynamo()
+        state.clear()
+        collage_compile.reset_metrics()
+        ps = _params()
+        opt = OPTIMIZERS["adamw"](ps, foreach=True)
+        step = torch.compile(opt.step, backend=collage_compile.make_backend(mode="plus", **options))
+        logged, after = [], []
+        grads = list(_grads(7))
+        for g in collage_compile.metered(
+            grads, every=3, callback=lambda i, m: logged.append((i, m))
+        ):
+            for p, gi in zip(ps, g):
+                p.grad = gi
+            step()
+            # lo_rel is read from the tensors as they are now, not recorded per step
+            after.append({k: v for k, v in collage_compile.last_metrics().items() if k != "lo_rel"})
+        return ps, logged, after
+
+    ps_k, logged_k, after_k = run(metrics=True, every=50)
+    ps_1, logged_1, after_1 = run(metrics=True)
+    print(f"\nevery=50 + metered(every=3): {logged_k}\nevery step: {logged_1}")
+    assert [i for i, _ in logged_k] == [2, 5]
+    assert logged_k == logged_1  # steps 2 and 5, measured exactly
+    # step 0 is every=50's; steps 1, 3 and 4 are not measured and keep the last values
+    assert after_k[1] == after_k[0] == after_1[0] and after_k[1] != after_1[1]
+    assert after_k[4] == after_k[3] == after_k[2] == after_1[2] != after_1[3]
+    for a, b in zip(ps_k, ps_1):
+        assert torch.equal(a, b)
+    with collage_compile.measuring():
+        assert collage_compile.metrics.measuring_now()
+    assert not collage_compile.metrics.measuring_now()
+
+
 def test_every_needs_metrics_and_a_positive_count():
     with pytest.raises(ValueError, match="metrics=True"):
         collage_compile.make_backend(every=4)
