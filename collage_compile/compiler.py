@@ -107,7 +107,8 @@ def compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig
 ) -> Callable[..., Any]:
     """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor
-    (with ``every > 1``, twice: with the metrics and without, see :class:`_EveryK`)."""
+    (with ``every`` other than 1, twice: with the metrics and without, see
+    :class:`_EveryK`)."""
     compiled = _compile_graph(gm, example_inputs, config)
     if config.every == 1 or not isinstance(compiled, _LoInputs) or compiled.metrics is None:
         return compiled
@@ -116,20 +117,21 @@ def compile_graph(
 
 
 class _EveryK:
-    """Calls the graph that measures on the first call, every ``every``-th after it and
-    inside :func:`collage_compile.measuring`, the same graph compiled without the
-    measurement otherwise.  Both update the same tensors and pairs the same way
+    """Calls the graph that measures on the first call and every ``every``-th after it
+    (``every="metered"``: on none of them) and inside :func:`collage_compile.measuring`,
+    the same graph compiled without the measurement otherwise.  Both update the same tensors and pairs the same way
     (``tests/test_metrics.py`` asserts the weights are bit-identical to ``metrics=False``);
     which one runs is the wrapper's choice, so a step never recompiles for it."""
 
-    def __init__(self, measured: _LoInputs, plain: Callable[..., Any], every: int):
+    def __init__(self, measured: _LoInputs, plain: Callable[..., Any], every: int | str):
         self.measured, self.plain, self.every = measured, plain, every
         self.metrics = measured.metrics
         self.calls = 0
 
     def __call__(self, *args: Any) -> Any:
         n, self.calls = self.calls, self.calls + 1
-        measure = n % self.every == 0 or measuring_now()
+        counted = isinstance(self.every, int) and n % self.every == 0
+        measure = counted or measuring_now()
         return (self.measured if measure else self.plain)(*args)
 
 

@@ -45,16 +45,17 @@ class CollageConfig:
         around the steps it reports), each measured step exactly as with ``every=1``; the
         other steps run a graph compiled without the measurement, chosen per call by the
         backend's wrapper (no recompile, no guard).  Set it to the logging interval or
-        larger: a measured step costs about 2x to 3x an unmeasured one on CPU
-        (docs/metrics.md).  Compiling takes twice as long (both graphs are compiled up
-        front).
+        larger: a measured step costs about 2x to 3.5x an unmeasured one on CPU
+        (docs/metrics.md).  ``"metered"``: only the calls inside ``measuring()``, that
+        is the steps a ``metered`` loop reports.  Compiling takes twice as long (both
+        graphs are compiled up front).
     """
 
     mode: str = "light"
     arithmetic: str = "fp32"
     plus_min_decay: float = 0.99
     metrics: bool = False
-    every: int = 1
+    every: int | str = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,9 +66,11 @@ class CollageConfig:
             )
         if not isinstance(self.metrics, bool):
             raise TypeError(f"collage: metrics must be True or False, got {self.metrics!r}")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"collage: every must be an int >= 1, got {self.every!r}")
-        if self.every > 1 and not self.metrics:
+        if self.every != "metered" and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
+        ):
+            raise ValueError(f"collage: every must be an int >= 1 or 'metered', got {self.every!r}")
+        if self.every != 1 and not self.metrics:
             raise ValueError(
                 "collage: every= says how often metrics are measured: set metrics=True"
             )

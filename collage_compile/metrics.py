@@ -291,7 +291,7 @@ def metered(
 
     The body of each reported iteration runs inside :func:`measuring`: what is reported
     is that step's, also with ``make_backend(every=K)``, whose graphs measure one call in
-    K otherwise (set K to the same interval or larger).
+    K otherwise, and ``make_backend(every="metered")``, whose graphs measure only then.
     """
     if every < 1:
         raise ValueError(f"collage: metered(every=...) must be >= 1, got {every!r}")

@@ -332,7 +332,8 @@ def test_metered_reports_the_step_it_names_whatever_every_is():
     """A loop that logs every 3rd step through ``metered`` on a backend with every=50: each
     reported step is measured (``measuring``) and its metrics equal those a
     measure-every-step run reports for that step; a step outside the logged ones is not
-    measured, and the weights are those of the every-step run."""
+    measured, and the weights are those of the every-step run.  every="metered" measures
+    the reported steps alone."""
 
     def run(**options):
         _compat.reset_dynamo()
@@ -355,6 +356,10 @@ def test_metered_reports_the_step_it_names_whatever_every_is():
 
     ps_k, logged_k, after_k = run(metrics=True, every=50)
     ps_1, logged_1, after_1 = run(metrics=True)
+    _, logged_m, after_m = run(metrics=True, every="metered")
+    assert logged_m == logged_1
+    assert after_m[0] == after_m[1] == {}  # nothing measured before the first report
+    assert after_m[2] == after_m[3] == after_1[2]
     print(f"\nevery=50 + metered(every=3): {logged_k}\nevery step: {logged_1}")
     assert [i for i, _ in logged_k] == [2, 5]
     assert logged_k == logged_1  # steps 2 and 5, measured exactly
@@ -371,6 +376,8 @@ def test_metered_reports_the_step_it_names_whatever_every_is():
 def test_every_needs_metrics_and_a_positive_count():
     with pytest.raises(ValueError, match="metrics=True"):
         collage_compile.make_backend(every=4)
-    for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="metrics=True"):
+        collage_compile.make_backend(every="metered")
+    for bad in (0, -1, 2.5, True, "always"):
         with pytest.raises(ValueError, match="every must be"):
             collage_compile.make_backend(metrics=True, every=bad)
