@@ -24,7 +24,8 @@ Inductor computes fused bf16 chains in fp32 registers and drops ``to(bf16)``/``t
 round trips inside a kernel (FIELD_NOTES section 1), so ``x.to(bf16).float()`` is *not* a
 rounding once compiled.  :func:`round_to` rounds to bf16 with integer arithmetic on the fp32
 bit pattern (round to nearest even in five integer operations), and to fp16 with fp32
-arithmetic alone (a Veltkamp split), which no compiler pass may remove without licence to
+arithmetic alone (a Veltkamp split; :func:`round_to_float_ops` does so for bf16 too, the
+faster of the two in a C++ kernel), which no compiler pass may remove without licence to
 reassociate floating point (Inductor's C++ flags keep ``-fno-unsafe-math-optimizations``
 and ``-ffp-contract=off``; Triton does not reassociate).  Every product inside it and
 inside :func:`two_prod` is exact, so FMA contraction (Triton's default) cannot change a
@@ -59,7 +60,7 @@ __all__ = [
     "mul",
     "renormalize",
     "round_to",
-    "round_to_fp32",
+    "round_to_float_ops",
     "split",
     "split_constant",
     "split_round",
@@ -103,11 +104,12 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
     return _round_veltkamp(x, dtype)
 
 
-def round_to_fp32(x: Any, dtype: torch.dtype) -> Any:
-    """:func:`round_to` made of fp32 arithmetic alone (a Veltkamp split with its huge,
-    subnormal and non-finite branches): the same bits for every input, NaN included.
-    For C++ kernels: about fifteen vector operations where the bit version's two bitcasts
-    go through memory one lane at a time (``python -m benchmarks.rounding``)."""
+def round_to_float_ops(x: Any, dtype: torch.dtype) -> Any:
+    """:func:`round_to` computed with fp32 arithmetic operations alone, no bitcast (a
+    Veltkamp split with its huge, subnormal and non-finite branches): the same result,
+    bit for bit, for every input, NaN included.  For C++ kernels: about fifteen vector
+    operations where the bit version's two bitcasts go through memory one lane at a time
+    (``python -m benchmarks.rounding``)."""
     return _round_veltkamp(x, dtype)
 
 
@@ -134,9 +136,9 @@ def _round_bf16_bits(x: Any) -> Any:
 
 
 def _round_veltkamp(x: Any, dtype: torch.dtype) -> Any:
-    """:func:`round_to` with fp32 arithmetic alone (used for float16; bfloat16 is handled
-    here too, for reference), which no compiler pass may change without licence to
-    reassociate floating point."""
+    """:func:`round_to` with fp32 arithmetic alone (float16's :func:`round_to`, and
+    :func:`round_to_float_ops` for both dtypes), which no compiler pass may change without
+    licence to reassociate floating point."""
     p, emin = _format(dtype)
     ax = x.abs()
     if dtype == torch.bfloat16:

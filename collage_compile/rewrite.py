@@ -598,7 +598,7 @@ def emit_measurements(
             # rounding it again (to nearest even, as the store does) is a no-op on a stored
             # value and the store's own rounding on the other; in fp32 arithmetic, which
             # C++ kernels vectorize (a bitcast there is a loop over the lanes)
-            new = mcf.round_to_fp32(em.proxy(acc.node).float(), acc.dtype)
+            new = mcf.round_to_float_ops(em.proxy(acc.node).float(), acc.dtype)
             sums = _metrics.step_sums(old, 0.0, new, None, delta)
         measured.append((acc, sums.node))
     return measured
