@@ -7,9 +7,10 @@ bf16 parameters (a GPT-style layer list) with a stock ``torch.optim.AdamW`` for 
 collage light, collage plus and ``mode="off"`` (plain bf16, the graph Inductor would
 compile), whose step is compiled three times over the same parameters and state: without
 metrics, with metrics on every step, and with ``every=K`` (one step in K measured, the
-others run the graph compiled without the measurement).  Each timed sample is K steps of every variant (so an every=K
-sample holds exactly one measured step), taken round-robin over several rounds; the
-median per step is printed, with the kernels and loop nests Inductor generated (read from
+others run the graph compiled without the measurement), and once more without metrics
+(the comparison's noise floor).  Each timed sample is K steps of one variant (so an
+every=K sample holds exactly one measured step), taken round-robin over several rounds;
+the median per step is printed, with the kernels and loop nests Inductor generated (read from
 its C++ / Triton source).  The overhead of a variant is the median over rounds of its
 sample divided by its mode's sample without metrics in the same round (a few seconds
 apart), so a drift of the machine between rounds cancels out; each sample follows an

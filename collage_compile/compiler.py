@@ -24,7 +24,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -119,11 +119,14 @@ def compile_graph(
 class _EveryK:
     """Calls the graph that measures on the first call and every ``every``-th after it
     (``every="metered"``: on none of them) and inside :func:`collage_compile.measuring`,
-    the same graph compiled without the measurement otherwise.  Both update the same tensors and pairs the same way
-    (``tests/test_metrics.py`` asserts the weights are bit-identical to ``metrics=False``);
-    which one runs is the wrapper's choice, so a step never recompiles for it."""
+    the same graph compiled without the measurement otherwise.  Both update the same
+    tensors and pairs the same way (``tests/test_metrics.py`` asserts the weights are
+    bit-identical to ``metrics=False``); which one runs is the wrapper's choice, so a step
+    never recompiles for it."""
 
-    def __init__(self, measured: _LoInputs, plain: Callable[..., Any], every: int | str):
+    def __init__(
+        self, measured: _LoInputs, plain: Callable[..., Any], every: int | Literal["metered"]
+    ):
         self.measured, self.plain, self.every = measured, plain, every
         self.metrics = measured.metrics
         self.calls = 0

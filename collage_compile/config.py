@@ -4,7 +4,7 @@ every field with the passes' source).  A leaf: it imports nothing of ours."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 MODES = ("light", "plus", "all", "off")
 ARITHMETICS = ("fp32", "storage")
@@ -55,7 +55,7 @@ class CollageConfig:
     arithmetic: str = "fp32"
     plus_min_decay: float = 0.99
     metrics: bool = False
-    every: int | str = 1
+    every: int | Literal["metered"] = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -259,7 +259,9 @@ def measuring() -> Iterator[None]:
         with collage_compile.measuring():
             train_step(batch)
         logger.log(collage_compile.last_metrics(), step=i)
-    """
+
+    The block holds for the whole process, every thread.  Open it around the compiled
+    call, not inside a compiled function (Dynamo would trace it away)."""
     global _measuring
     with _lock:
         _measuring += 1
@@ -291,7 +293,11 @@ def metered(
 
     The body of each reported iteration runs inside :func:`measuring`: what is reported
     is that step's, also with ``make_backend(every=K)``, whose graphs measure one call in
-    K otherwise, and ``make_backend(every="metered")``, whose graphs measure only then.
+    K otherwise, and ``make_backend(every="metered")``, whose graphs measure only then
+    (the optimizer step must run in that body: with gradient accumulation, iterate over
+    optimizer steps).  A ``for`` loop that breaks or raises closes the block; an iterator
+    kept in a variable and left unfinished must be closed (``it.close()``), or every
+    step keeps measuring until it is collected.
     """
     if every < 1:
         raise ValueError(f"collage: metered(every=...) must be >= 1, got {every!r}")

@@ -371,6 +371,16 @@ def test_metered_reports_the_step_it_names_whatever_every_is():
     with collage_compile.measuring():
         assert collage_compile.metrics.measuring_now()
     assert not collage_compile.metrics.measuring_now()
+    # a reported iteration left early: closed with the loop, or by close()
+    for _ in collage_compile.metered(range(3), every=1, callback=lambda i, m: None):
+        assert collage_compile.metrics.measuring_now()
+        break
+    assert not collage_compile.metrics.measuring_now()
+    it = collage_compile.metered(range(3), every=1, callback=lambda i, m: None)
+    next(it)
+    assert collage_compile.metrics.measuring_now()
+    it.close()
+    assert not collage_compile.metrics.measuring_now()
 
 
 def test_every_needs_metrics_and_a_positive_count():

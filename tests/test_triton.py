@@ -59,17 +59,18 @@ CASES = {
 # then crosses a kernel boundary, stored to bf16, where the C++ kernel keeps it in fp32
 # registers: the update differs in its last fp32 bits and lo by up to one bf16 ulp of lo.
 # A difference of where Inductor's kernels end, on a GPU too, not of GPU arithmetic.
-# every=2 over the 3 steps: steps 0 and 2 run the measuring graph, step 1 the other one.
+# every=3 over the 3 steps: step 0 runs the measuring graph, steps 1 and 2 the other one.
 METRICS_CASES = {
     "sgd-metrics": (_sgd, {"metrics": True}, True),
-    "sgd-metrics-every2": (_sgd, {"metrics": True, "every": 2}, True),
+    "sgd-metrics-every3": (_sgd, {"metrics": True, "every": 3}, True),
     "adamw-metrics": (_adamw, {"metrics": True}, False),
 }
 
 
-def _run(make_opt, options: dict | None) -> tuple[list[torch.Tensor], int]:
+def _run(make_opt, options: dict | None) -> tuple[list[torch.Tensor], int, dict[str, float]]:
     """Every tensor the step leaves behind (weights, lo, optimizer state) after STEPS
-    compiled steps, and how many kernels its first compile generated."""
+    compiled steps, how many kernels its first compile generated, and the metrics
+    (``last_metrics(by="tensor")``)."""
     _compat.reset_dynamo()
     state.clear()
     g = torch.Generator().manual_seed(0)
@@ -91,11 +92,9 @@ def _run(make_opt, options: dict | None) -> tuple[list[torch.Tensor], int]:
         out += [collage_compile.value(p) for p in ps]
     for s in opt.state.values():
         out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
-    if options is not None and options.get("metrics"):
-        # the last measured step's, per weight (read while the weights are alive)
-        metrics = collage_compile.last_metrics(by="tensor")
-        out.append(torch.tensor(list(metrics.values()), dtype=torch.float64))
-    return out, kernels
+    # the last measured step's, per weight (read while the weights are alive)
+    metrics = collage_compile.last_metrics(by="tensor")
+    return out, kernels, metrics
 
 
 def _assert_bitwise_equal(cpp: list[torch.Tensor], triton: list[torch.Tensor]) -> None:
@@ -109,19 +108,19 @@ def _assert_bitwise_equal(cpp: list[torch.Tensor], triton: list[torch.Tensor]) -
 @pytest.mark.parametrize("make_opt", [_sgd, _sgd_momentum, _adamw], ids=["sgd", "sgd-m", "adamw"])
 def test_plain_inductor_under_the_interpreter_equals_the_cpp_path(make_opt, interpreted_triton):
     # the harness's own check: stock Inductor kernels, no collage, the same bits
-    cpp, _ = _run(make_opt, None)
+    cpp, _, _ = _run(make_opt, None)
     with interpreted_triton():
-        triton, _ = _run(make_opt, None)
+        triton, _, _ = _run(make_opt, None)
     _assert_bitwise_equal(cpp, triton)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_collage_triton_step_equals_the_cpp_path_and_adds_no_kernels(case, interpreted_triton):
     make_opt, options = CASES[case]
-    cpp, _ = _run(make_opt, options)
+    cpp, _, _ = _run(make_opt, options)
     with interpreted_triton():
-        triton, n_ours = _run(make_opt, options)
-        _, n_plain = _run(make_opt, None)
+        triton, n_ours, _ = _run(make_opt, options)
+        _, n_plain, _ = _run(make_opt, None)
     _assert_bitwise_equal(cpp, triton)
     print(f"{case}: Triton kernels plain {n_plain}, collage {n_ours}")
     assert n_plain >= 1
@@ -131,13 +130,20 @@ def test_collage_triton_step_equals_the_cpp_path_and_adds_no_kernels(case, inter
 @pytest.mark.parametrize("case", list(METRICS_CASES))
 def test_collage_triton_step_with_metrics_matches_the_cpp_path(case, interpreted_triton):
     make_opt, options, exact = METRICS_CASES[case]
-    cpp, _ = _run(make_opt, options)
+    cpp, _, cpp_metrics = _run(make_opt, options)
     with interpreted_triton():
-        triton, _ = _run(make_opt, options)
-    # the last tensor: edq, edq_hi, imprecision and lo_rel of each weight, from sums whose
-    # order of addition is each backend's own (fp32 sums of 8 to 128 terms)
-    assert cpp[-1].numel() == 4 * len(SHAPES)
-    (m_cpp, m_triton), cpp, triton = (cpp[-1], triton[-1]), cpp[:-1], triton[:-1]
+        triton, _, triton_metrics = _run(make_opt, options)
+    # edq, edq_hi, imprecision and lo_rel of each weight, from sums whose order of
+    # addition is each backend's own (fp32 sums of 8 to 128 terms)
+    assert list(triton_metrics) == list(cpp_metrics) and len(cpp_metrics) == 4 * len(SHAPES)
+    m_cpp = torch.tensor(list(cpp_metrics.values()), dtype=torch.float64)
+    m_triton = torch.tensor(list(triton_metrics.values()), dtype=torch.float64)
+    if options.get("every", 1) != 1:
+        # step 0's values: the later steps ran the unmeasured graph
+        _, _, last_step = _run(make_opt, {"metrics": True})
+        assert [v for k, v in last_step.items() if "lo_rel" not in k] != [
+            v for k, v in cpp_metrics.items() if "lo_rel" not in k
+        ]
     if exact:
         torch.testing.assert_close(m_triton, m_cpp, rtol=1e-5, atol=1e-9)
         _assert_bitwise_equal(cpp, triton)
