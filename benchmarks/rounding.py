@@ -75,7 +75,7 @@ def main() -> None:
         f"median of {args.rounds} interleaved rounds (thread CPU time)"
     )
     for name in fns:
-        print(f"{name:<14} {med[name] * 1e3:7.3f} ms  {med[name] / med['store only']:5.2f}x")
+        print(f"{name:<18} {med[name] * 1e3:7.3f} ms  {med[name] / med['store only']:5.2f}x")
 
 
 if __name__ == "__main__":
