@@ -101,16 +101,7 @@ def round_to(x: Any, dtype: torch.dtype) -> Any:
         r = _round_bf16_bits(x)
         # a NaN whose payload sits only in the 16 dropped bits would carry into inf
         return torch.where(x != x, x, r)
-    return _round_veltkamp(x, dtype)
-
-
-def round_to_float_ops(x: Any, dtype: torch.dtype) -> Any:
-    """:func:`round_to` computed with fp32 arithmetic operations alone, no bitcast (a
-    Veltkamp split with its huge, subnormal and non-finite branches): the same result,
-    bit for bit, for every input, NaN included.  For C++ kernels: about fifteen vector
-    operations where the bit version's two bitcasts go through memory one lane at a time
-    (``python -m benchmarks.rounding``)."""
-    return _round_veltkamp(x, dtype)
+    return round_to_float_ops(x, dtype)
 
 
 def _round_bf16_bits(x: Any) -> Any:
@@ -123,8 +114,9 @@ def _round_bf16_bits(x: Any) -> Any:
     subnormals, the overflow to inf (the carry runs into the exponent) and inf itself.
     Five integer operations where the Veltkamp split needs about fifteen (with its huge,
     subnormal and non-finite branches), and no compiler pass rewrites integer arithmetic on
-    a bitcast: Inductor lowers both bitcasts inside the fused kernel (C++: through a
-    16-lane buffer that gcc folds into register moves; Triton: ``tl.bitcast``).  A NaN may
+    a bitcast: Inductor lowers both bitcasts inside the fused kernel (Triton:
+    ``tl.bitcast``; C++: through a buffer, lane by lane, which makes it slower there than
+    :func:`round_to_float_ops`, ``python -m benchmarks.rounding``).  A NaN may
     come back as inf: callers that can see a NaN select it back (:func:`round_to`); callers
     that have already excluded NaN skip that (:func:`dw_to_pair`).
     """
@@ -135,10 +127,13 @@ def _round_bf16_bits(x: Any) -> Any:
     return bits.view(torch.float32)
 
 
-def _round_veltkamp(x: Any, dtype: torch.dtype) -> Any:
-    """:func:`round_to` with fp32 arithmetic alone (float16's :func:`round_to`, and
-    :func:`round_to_float_ops` for both dtypes), which no compiler pass may change without
-    licence to reassociate floating point."""
+def round_to_float_ops(x: Any, dtype: torch.dtype) -> Any:
+    """:func:`round_to` computed with fp32 arithmetic operations alone, no bitcast (a
+    Veltkamp split with its huge, subnormal and non-finite branches): the same result,
+    bit for bit, for every input, NaN included, and float16's :func:`round_to`.  No
+    compiler pass may change it without licence to reassociate floating point.  For bf16
+    in C++ kernels: about fifteen vector operations where the bit version's two bitcasts
+    go through memory one lane at a time (``python -m benchmarks.rounding``)."""
     p, emin = _format(dtype)
     ax = x.abs()
     if dtype == torch.bfloat16:
@@ -314,8 +309,8 @@ def dw_to_pair(s: Any, e: Any, dtype: torch.dtype, *, stored: bool = False) -> t
         r = split_round(t, dtype)  # NaN where t is inf, NaN or beyond 2^111
         lo_round = split_round
     else:
-        r = _round_veltkamp(t, dtype)  # exact, subnormals and overflow to inf included
-        lo_round = _round_veltkamp
+        r = round_to_float_ops(t, dtype)  # exact, subnormals and overflow to inf included
+        lo_round = round_to_float_ops
     ok = r.abs() < _INF
     # s - r is exact where s is within a factor of two of r (Sterbenz): s is the loaded
     # hi, and e moves it by less than that unless an update dwarfs the weight, where the
