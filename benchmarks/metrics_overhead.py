@@ -10,17 +10,18 @@ metrics, with metrics on every step, and with ``every=K`` (one step in K measure
 others run the graph compiled without the measurement), and once more without metrics
 (the comparison's noise floor).  Each timed sample is K steps of one variant (so an
 every=K sample holds exactly one measured step), taken round-robin over several rounds;
-the median per step is printed, with the kernels and loop nests Inductor generated (read from
-its C++ / Triton source).  The overhead of a variant is the median over rounds of its
-sample divided by its mode's sample without metrics in the same round (a few seconds
-apart), so a drift of the machine between rounds cancels out; each sample follows an
-untimed step of the same parameters.
+the median per step is printed, with the page faults per step and the kernels and loop
+nests Inductor generated (read from its C++ / Triton source).  The overhead of a variant
+is the median over rounds of its sample divided by its mode's sample without metrics in
+the same round (a few seconds apart), so a drift of the machine between rounds cancels
+out; each sample follows an untimed step of the same parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import resource
 import statistics
 import time
 import warnings
@@ -66,6 +67,12 @@ def make_params(shapes, device):
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def minor_faults() -> int:
+    """Page faults this thread took so far (memory the kernel had to map in: a large
+    buffer allocated afresh faults once per page on first touch)."""
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
 def count_code(code: list[str]) -> tuple[int, int]:
@@ -127,17 +134,19 @@ def main() -> None:
             sync(args.device)
             info[name] = (time.perf_counter() - t0, *count_code(code))
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    faults: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in steps.items():
             # an untimed step of the same parameters first: a sample that follows another
             # mode's would otherwise pay for bringing its tensors back into the caches
             steps[variants[name]["mode"]]()
             sync(args.device)
-            t0 = clock()
+            f0, t0 = minor_faults(), clock()
             for _ in range(args.every):
                 fn()
             sync(args.device)
             samples[name].append((clock() - t0) / args.every)
+            faults[name].append((minor_faults() - f0) / args.every)
     med = {name: statistics.median(v) for name, v in samples.items()}
 
     print(
@@ -147,12 +156,14 @@ def main() -> None:
         f"{args.every} steps ({'thread CPU' if args.clock == 'cpu' else 'wall-clock'} time)"
     )
     print(
-        f"{'variant':<18} {'ms/step':>8} {'ns/param':>9} {'compile s':>10} {'kernels':>8} {'loops':>6}"
+        f"{'variant':<18} {'ms/step':>8} {'ns/param':>9} {'faults/step':>12} {'compile s':>10} "
+        f"{'kernels':>8} {'loops':>6}"
     )
     for name in variants:
         c, k, lp = info[name]
         print(
-            f"{name:<18} {med[name] * 1e3:8.2f} {med[name] * 1e9 / n:9.3f} {c:10.1f} {k:8d} {lp:6d}"
+            f"{name:<18} {med[name] * 1e3:8.2f} {med[name] * 1e9 / n:9.3f} "
+            f"{statistics.median(faults[name]):12.0f} {c:10.1f} {k:8d} {lp:6d}"
         )
 
     def overhead(name: str, base: str) -> float:
