@@ -27,6 +27,7 @@ Output: a table, ``<out>/train_gpt.png`` (loss and EDQ curves), ``<out>/train_gp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -327,10 +328,7 @@ def train_one(
         loss.backward()
         _sync(dev)
         t1 = time.perf_counter()
-        if sampled:
-            with collage_compile.measuring():
-                opt_step()
-        else:
+        with collage_compile.measuring() if sampled else contextlib.nullcontext():
             opt_step()
         _sync(dev)
         t2 = time.perf_counter()
