@@ -363,6 +363,9 @@ def test_metered_reports_the_step_it_names_whatever_every_is():
     print(f"\nevery=50 + metered(every=3): {logged_k}\nevery step: {logged_1}")
     assert [i for i, _ in logged_k] == [2, 5]
     assert logged_k == logged_1  # steps 2 and 5, measured exactly
+    # compensated, measurably: hi + lo gets the whole update, hi alone a part of it
+    for _, m in logged_k:
+        assert m["edq"] >= 0.99 and m["edq_hi"] <= 0.9
     # step 0 is every=50's; steps 1, 3 and 4 are not measured and keep the last values
     assert after_k[1] == after_k[0] == after_1[0] and after_k[1] != after_1[1]
     assert after_k[4] == after_k[3] == after_k[2] == after_1[2] != after_1[3]
