@@ -45,7 +45,7 @@ class CollageConfig:
         around the steps it reports), each measured step exactly as with ``every=1``; the
         other steps run a graph compiled without the measurement, chosen per call by the
         backend's wrapper (no recompile, no guard).  Set it to the logging interval or
-        larger: a measured step costs about 2x to 3.5x an unmeasured one on CPU
+        larger: a measured step costs about 2x to 4x an unmeasured one on CPU
         (docs/metrics.md).  ``"metered"``: only the calls inside ``measuring()``, that
         is the steps a ``metered`` loop reports.  Compiling takes twice as long (both
         graphs are compiled up front).
