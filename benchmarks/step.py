@@ -11,7 +11,7 @@ and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
   compiled with plain Inductor; the step also writes the bf16 model copy the forward pass
   reads (``torch._foreach_copy_``), as such training must.
 * ``plain bf16``: bf16 parameters and state, plain Inductor (``backend="inductor"``).
-* ``collage light`` / ``collage plus``: this backend.
+* ``collage light`` / ``collage plus`` / ``collage exact``: this backend.
 * ``eager Collage``: the paper's Collage-light AdamW written op by op with eager bf16
   ``torch._foreach_*`` ops (:class:`EagerCollageAdamW`), the reference-implementation baseline.
 * ``optimi Kahan`` / ``torchao bf16 SR``: when those packages are installed (skipped otherwise).
@@ -53,8 +53,9 @@ LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 
 # Bytes a step must read and write per parameter (the memory-bound floor), AdamW:
 # fp32 master: master r/w 8, fp32 grad 4, m r/w 8, v r/w 8, bf16 model copy written 2;
-# bf16: p r/w 4, grad 2, m r/w 4, v r/w 4; light adds lo r/w 4; plus also v's lo r/w 4.
-FLOOR_BYTES = {"fp32": 30, "bf16": 14, "light": 18, "plus": 22}
+# bf16: p r/w 4, grad 2, m r/w 4, v r/w 4; light adds lo r/w 4; plus also v's lo r/w 4;
+# exact: p, m and v each with its remainder r/w 8, grad 2.
+FLOOR_BYTES = {"fp32": 30, "bf16": 14, "light": 18, "plus": 22, "exact": 26}
 
 
 @dataclasses.dataclass
@@ -169,6 +170,9 @@ def build_variants(shapes: list[tuple[int, ...]], device: str, foreach: bool) ->
     )
     variants.append(
         stock("collage plus", collage_compile.make_backend(mode="plus"), FLOOR_BYTES["plus"])
+    )
+    variants.append(
+        stock("collage exact", collage_compile.make_backend(mode="exact"), FLOOR_BYTES["exact"])
     )
 
     ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))

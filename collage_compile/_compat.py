@@ -211,6 +211,13 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def is_gradient_input(node: fx.Node) -> bool:
+    """Whether a graph input is a tensor's ``.grad`` (Dynamo's ``GradSource``; 2.11, 2.13)."""
+    from torch._dynamo.source import GradSource
+
+    return isinstance(getattr(node, "_dynamo_source", None), GradSource)
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and their state)."""
     cls = _dtensor_type()

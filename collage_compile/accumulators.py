@@ -301,6 +301,11 @@ class GraphInfo:
                 return [(acc, True)]
         return [(acc, False) for acc in accs]
 
+    def aliases(self, acc: Accumulator) -> list[Accumulator]:
+        """Every input of the graph on ``acc``'s storage, ``acc`` first."""
+        others = self._by_storage.get(storage_key(acc.example), [])
+        return [acc, *[a for a in others if a is not acc]]
+
     def accumulators_of_node(self, node: Any) -> list[tuple[Accumulator, bool]]:
         if isinstance(node, Element):
             ex = _compat.example_value(node.node)

@@ -22,6 +22,13 @@ Keys: each low-precision parameter's optimizer state entry gains ``"collage_lo"`
 ``"<param>._collage_hi"``.  A tensor without a lo is saved with a zero one, so the keys depend
 only on dtypes and a fresh object's state dict is a complete template for
 ``torch.distributed.checkpoint`` loads.
+
+``mode="exact"``'s int16 remainders are saved as their bits in the tensor's own dtype
+(``rem.view(torch.bfloat16)``: the same keys, dtypes and shapes as a pair's lo, so any
+template loads them and nothing casts them), and bit 62 of the first checksum entry is
+flipped to say so (a checksum of fewer than 2^46 elements leaves bits 62 and 63 equal, so
+checkpoints saved before keep reading as pairs).  One kind per parameter entry: its
+state's lo entries are saved in the parameter's kind.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 
 import torch
 
-from collage_compile import _compat, state
+from collage_compile import _compat, remainder, state
 from collage_compile.mcf import LOW_PRECISION
 
 __all__ = ["attach", "convert", "set_value"]
@@ -40,6 +47,7 @@ LO = "collage_lo"
 HI = "collage_hi"
 _MODULE_LO = "._collage_lo"
 _MODULE_HI = "._collage_hi"
+_EXACT_FLAG = 1 << 62
 
 # object -> hook handles (attach is idempotent)
 _attached: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
@@ -65,32 +73,57 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             )
 
 
-def _lo_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    # Every low-precision tensor gets an entry, a zero lo where it has none yet: the set of
-    # keys then depends only on dtypes, so a state dict built as a loading template (DCP's
-    # get_state_dict in a fresh process, before any lo exists) asks for every lo a
-    # checkpoint holds.
+def _is_exact(t: torch.Tensor) -> bool:
     lo = state.components(t)[1]
-    return lo.detach().clone() if lo is not None else torch.zeros_like(t.detach())
+    return lo is not None and state.is_remainder(lo)
 
 
-def _checksum_tensor(t: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(state.checksum(t), dtype=torch.int64)
+def _lo_or_zeros(t: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """``t``'s lo as saved, in ``t``'s dtype: a pair's lo, or (``exact``) the remainder's
+    bits; converted to that kind if it holds the other, zeros where it has none.
+
+    Every low-precision tensor gets an entry, a zero lo where it has none yet: the set of
+    keys then depends only on dtypes, so a state dict built as a loading template (DCP's
+    get_state_dict in a fresh process, before any lo exists) asks for every lo a
+    checkpoint holds."""
+    lo = state.components(t)[1]
+    if lo is None:
+        return torch.zeros_like(t.detach())
+    if state.is_remainder(lo) != exact:
+        lo = state.as_remainder(t, lo) if exact else state.as_pair(t, lo)
+    return (lo.view(t.dtype) if exact else lo).detach().clone()
 
 
-def _restore(t: torch.Tensor, lo: torch.Tensor, saved_hi: torch.Tensor | None) -> None:
-    """Make ``lo`` the pair of ``t``, kept by the next compiled step only if ``t`` then holds
-    the hi ``lo`` was saved with."""
+def _checksum_tensor(t: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    plain, weighted = state.checksum(t)
+    return torch.tensor([plain ^ _EXACT_FLAG if exact else plain, weighted], dtype=torch.int64)
+
+
+def _read_checksum(saved: torch.Tensor | None) -> tuple[tuple[int, int] | None, bool]:
+    """(the checksum, whether the entry's lo are exact remainders) of a saved ``HI``."""
+    if saved is None:
+        return None, False
+    plain, weighted = (int(x) for x in saved.tolist())
+    exact = (plain >> 62) & 1 != (plain >> 63) & 1
+    return (plain ^ _EXACT_FLAG if exact else plain, weighted), exact
+
+
+def _restore(
+    t: torch.Tensor, lo: torch.Tensor, checksum: tuple[int, int] | None, exact: bool
+) -> None:
+    """Make ``lo`` (a remainder's bits with ``exact``) the lo of ``t``, kept by the next
+    compiled step only if ``t`` then holds the hi ``lo`` was saved with (``checksum``)."""
     if t.dtype not in LOW_PRECISION:
         return  # the run that saved it used low precision; this one does not: nothing to add
+    lo = lo.view(remainder.DTYPE) if exact else lo
     if state.components(t)[1] is None and _all_zero(lo):
         return  # a zero lo is no lo: allocate none (light mode's optimizer state)
-    state.set_lo(t, lo.to(device=t.device, dtype=t.dtype))
-    if saved_hi is None:
+    state.set_lo(t, lo.to(device=t.device) if exact else lo.to(device=t.device, dtype=t.dtype))
+    if checksum is None:
         return
     # checked on the next compiled step, whatever is loaded into ``t`` before it (the
     # weights may be loaded after the optimizer state, or twice)
-    state.stamp(t, state.get_lo(t), pending=tuple(int(x) for x in saved_hi.tolist()))
+    state.stamp(t, state.get_lo(t), pending=checksum)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -121,10 +154,16 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
         for i, p in _params_by_index(opt).items():
             if p.dtype not in LOW_PRECISION:
                 continue
-            extra = {LO: _lo_or_zeros(p), HI: _checksum_tensor(p)}
-            for name, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
-                    extra[f"{LO}.{name}"] = _lo_or_zeros(v)
+            low = {
+                name: v
+                for name, v in opt.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
+            }
+            # one kind per entry: exact if any of its tensors holds a remainder
+            exact = any(_is_exact(t) for t in (p, *low.values()))
+            extra = {LO: _lo_or_zeros(p, exact), HI: _checksum_tensor(p, exact)}
+            for name, v in low.items():
+                extra[f"{LO}.{name}"] = _lo_or_zeros(v, exact)
             packed[i] = {**packed.get(i, {}), **extra}
         return {**sd, "state": packed}
 
@@ -149,15 +188,15 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
     def after_load(opt: torch.optim.Optimizer) -> None:
         for i, ours in pending.items():
             p = keys[i]
-            saved_hi = ours.get(HI)
+            checksum, exact = _read_checksum(ours.get(HI))
             if LO in ours:
-                _restore(p, ours[LO], saved_hi)
+                _restore(p, ours[LO], checksum, exact)
             for key, lo in ours.items():
                 if key.startswith(LO + "."):
                     v = opt.state.get(p, {}).get(key[len(LO) + 1 :])
                     if isinstance(v, torch.Tensor):
                         # state tensors were just loaded with their hi: nothing to wait for
-                        _restore(v, lo, None)
+                        _restore(v, lo, None, exact)
         pending.clear()
         keys.clear()
 
@@ -178,8 +217,9 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
     def save(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
         for name, p in mod.named_parameters():
             if p.dtype in LOW_PRECISION:
-                sd[prefix + name + _MODULE_LO] = _lo_or_zeros(p)
-                sd[prefix + name + _MODULE_HI] = _checksum_tensor(p)
+                exact = _is_exact(p)
+                sd[prefix + name + _MODULE_LO] = _lo_or_zeros(p, exact)
+                sd[prefix + name + _MODULE_HI] = _checksum_tensor(p, exact)
                 # DCP's get/set_model_state_dict resolve every key by attribute lookup
                 # ("0.weight._collage_lo" -> model[0].weight._collage_lo): name the entries
                 # on the parameter (a label, no tensor: nothing is held twice)
@@ -198,7 +238,7 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
         for name, (lo, saved_hi) in pending.items():
             if name in params:
                 # load_state_dict copied the weights first: they are checked right here
-                _restore(params[name], lo, saved_hi)
+                _restore(params[name], lo, *_read_checksum(saved_hi))
         pending.clear()
 
     return [
@@ -211,37 +251,48 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
 # --------------------------------------------------------------------------- conversion
 
 
-def set_value(t: torch.Tensor, value: torch.Tensor) -> None:
+def set_value(t: torch.Tensor, value: torch.Tensor, exact: bool = False) -> None:
     """Set low-precision ``t`` to ``value`` (any float dtype) as a pair: ``t`` (hi) becomes
     ``value`` rounded to nearest, its lo the rounded residual ``value - hi``.
 
     ``hi + lo`` equals ``value`` within half an ulp of lo: only what the pair cannot hold is
     lost (a plain ``t.copy_(value)`` loses everything below half an ulp of hi).
+
+    ``exact`` (``mode="exact"``, bf16 ``t``): ``value`` rounded to fp32, held exactly as
+    ``t`` and an int16 remainder (:mod:`collage_compile.remainder`; lossless from fp32).
     """
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: set_value needs a bf16/fp16 tensor, got {t.dtype}")
+    if exact and t.dtype != torch.bfloat16:
+        raise TypeError(state._no_exact_fp16(t, ""))
     with torch.no_grad():
         src = value.detach().to(t.device)
-        if src.dtype not in (torch.float32, torch.float64):
-            src = src.float()
-        hi = src.to(t.dtype)
-        # src - hi is exact in src's precision (hi is src rounded to fewer bits)
-        lo = (src - hi.to(src.dtype)).to(t.dtype)
+        if exact:
+            hi, lo = remainder.split(src.float(), t.dtype)
+        else:
+            if src.dtype not in (torch.float32, torch.float64):
+                src = src.float()
+            hi = src.to(t.dtype)
+            # src - hi is exact in src's precision (hi is src rounded to fewer bits)
+            lo = (src - hi.to(src.dtype)).to(t.dtype)
         t.copy_(hi)
     state.set_lo(t, lo)
 
 
-def convert(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def convert(module: torch.nn.Module, dtype: torch.dtype, exact: bool = False) -> torch.nn.Module:
     """``module.to(dtype)`` that loses nothing the pair can hold.
 
     To bf16/fp16: every floating parameter becomes its value rounded to nearest with the
-    residual as its lo (an fp32 checkpoint converted this way keeps 16 significant bits).
+    residual as its lo (an fp32 checkpoint converted this way keeps 16 significant bits;
+    with ``exact``, for ``mode="exact"``, to bf16: all 24, as an int16 remainder).
     To fp32/fp64: every parameter becomes ``hi + lo`` (the value the optimizer tracked).
     Parameter objects are kept (``p.data`` is replaced), so build the optimizer and compile
     the step after converting.  Floating buffers are converted as ``module.to`` would.
     """
     if not dtype.is_floating_point:
         raise TypeError(f"collage: convert() needs a floating dtype, got {dtype}")
+    if exact and dtype != torch.bfloat16:
+        raise TypeError(f"collage: convert(exact=True) converts to bfloat16 only, got {dtype}")
     for name, p in module.named_parameters():
         if _compat.is_dtensor(p) and p.is_floating_point() and p.dtype != dtype:
             # FSDP2 owns its sharded parameters' storage: replacing p.data would cut it loose
@@ -261,7 +312,7 @@ def convert(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
                 else:
                     src = p.detach()
                 p.data = torch.empty_like(p, dtype=dtype)
-                set_value(p, src)
+                set_value(p, src, exact=exact)
             else:
                 p.data = state.value(p).to(dtype) if p.dtype in LOW_PRECISION else p.to(dtype)
         for mod in module.modules():

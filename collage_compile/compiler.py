@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, report, state, watch
+from collage_compile import _compat, names, remainder, report, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
@@ -155,6 +155,10 @@ def _compile_graph(
     info = GraphInfo(gm, list(example_inputs), config)
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
+    if config.mode == "exact":
+        return _compile_exact(
+            original, gm, info, ctx.sites, normalized, example_inputs, config, record
+        )
     # mode="off" measures the parameter updates the families recognized, then drops them all
     measured_sites = {w: s for w, s in ctx.sites.items() if w.acc.role == "param"}
     modes.select(info, ctx, config)
@@ -220,6 +224,36 @@ def _compile_graph(
         gm, [*example_inputs, *lo_examples], _inductor_patches(config)
     )
     return _LoInputs(compiled, upgraded, unchained, _graph_metrics(measured), readers)
+
+
+def _compile_exact(
+    original: fx.GraphModule,
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    sites: dict[Any, Any],
+    normalized: dict[str, int],
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+    record: bool,
+) -> Callable[..., Any]:
+    """``mode="exact"`` (:mod:`collage_compile.exact`); a graph that writes nothing (a
+    forward pass) goes to Inductor untouched."""
+    from collage_compile import exact
+
+    if not info.writes and not any(normalized.values()):
+        if record:
+            report.record(report.GraphReport.build(info, {}, [], config))
+        return _compat.compile_with_inductor(original, example_inputs)
+    c = exact.compile_exact(gm, info, sites, example_inputs, config, record)
+    return _LoInputs(
+        c.fn,
+        c.upgraded,
+        c.left,
+        _graph_metrics(c.measured),
+        c.readers,
+        exact=True,
+        new_state=c.new_state,
+    )
 
 
 def _measure_only(
@@ -326,9 +360,14 @@ class _LoInputs:
         unchained: list[Accumulator] = (),  # type: ignore[assignment]
         metrics: GraphMetrics | None = None,
         readers: list[Accumulator] = (),  # type: ignore[assignment]
+        exact: bool = False,
+        new_state: list[int] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
         self.metrics = metrics
+        self.exact = exact  # lo inputs are exact remainders (mode="exact")
+        # outputs that are new tensors whose remainders follow the outputs (exact mode)
+        self.new_state = list(new_state)
         attrs = [(slot, a) for slot, a in enumerate(upgraded) if a.real is not None]
         self._attr_slots = [slot for slot, _ in attrs]
         self._attr_accs = [a for _, a in attrs]
@@ -375,10 +414,11 @@ class _LoInputs:
                     "torch._dynamo.reset() or compile the step again after the change."
                 )
         los = []
-        for t, slot in zip(tensors, self._attr_slots):
+        for t, slot, acc in zip(tensors, self._attr_slots, self._attr_accs):
             lo = self._call_los[slot]
             if lo is None or state.get_lo(t) is not lo:
-                lo = self._call_los[slot] = state.lo_for(t)
+                name = names.display(t, acc.name)
+                lo = self._call_los[slot] = state.lo_for(t, exact=self.exact, name=name)
             state.track(t, lo)
             los.append(lo)
         self._lo_ids = [id(lo) for lo in los]
@@ -399,18 +439,14 @@ class _LoInputs:
         if self._by_input or self._readers:
             call_los = list(call_los)
             for slot, idx, name in self._by_input:
-                call_los[slot] = lo = state.lo_for(args[idx], by_view=True)
+                lo = state.lo_for(args[idx], by_view=True, exact=self.exact, name=name)
+                call_los[slot] = lo
                 why = state.check(args[idx], lo, name)
                 if why is not None:
                     outside.append((names.display(None, name), why))
             for slot, ref, idx in self._readers:
                 t = ref() if ref is not None else args[idx]
-                lo = state.components(t)[1]
-                if lo is None:
-                    lo = self._zeros.get(slot)
-                    if lo is None or not state.fits(lo, t):
-                        lo = self._zeros[slot] = state.empty_lo(t).zero_()
-                call_los[slot] = lo
+                call_los[slot] = self._reader_lo(slot, t)
         if outside:
             watch.outside_writes([n for n, _ in outside], outside[0][1], key=str(id(self)))
         wrote = self._written_ids
@@ -425,6 +461,8 @@ class _LoInputs:
             # the last output is the metrics' sums (rewrite.add_metrics_output)
             self.metrics.record(out[-1], args)
             out = out[:-1]
+        if self.new_state:
+            out = self._pair_new_state(out)
         # hi and lo moved together: remember hi's version as it is now (next call's check)
         state.record_versions(self._lo_ids, tensors)
         for slot, idx, _ in self._by_input:
@@ -432,6 +470,29 @@ class _LoInputs:
         if self._unchained_refs or self._unchained_inputs:
             self._reset_unchained(args)
         return out
+
+    def _pair_new_state(self, out: Any) -> Any:
+        """Register the remainders the graph returns after its outputs with the new
+        tensors they belong to (state the optimizer creates in the step)."""
+        n = len(self.new_state)
+        rems, out = out[-n:], out[:-n]
+        for k, rem in zip(self.new_state, rems):
+            state.set_lo(out[k], rem)
+        return out
+
+    def _reader_lo(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        """The lo of a weight the graph only reads: its own (converted to this graph's kind
+        if it has the other), else zeros (reading creates no pair)."""
+        lo = state.components(t)[1]
+        if lo is not None and state.is_remainder(lo) != self.exact:
+            lo = state.lo_for(t, exact=self.exact, name=names.display(t, ""))
+        if lo is not None:
+            return lo
+        dtype = remainder.DTYPE if self.exact else t.dtype
+        lo = self._zeros.get(slot)
+        if lo is None or lo.dtype != dtype or not state.fits(lo, t):
+            lo = self._zeros[slot] = state.empty_lo(t, dtype).zero_()
+        return lo
 
     def _reset_unchained(self, args: tuple[Any, ...]) -> None:
         """Zero the lo of every pair on memory this graph wrote without a chain."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-MODES = ("light", "plus", "all", "off")
+MODES = ("light", "plus", "all", "exact", "off")
 ARITHMETICS = ("fp32", "storage")
 
 
@@ -20,10 +20,15 @@ class CollageConfig:
         ``"plus"``: also decay-style accumulators ``x = b*x + (1-b)*y`` with
         ``b >= plus_min_decay`` (AdamW's second moment, RMSprop's square average), as in
         the paper's Collage-plus.  ``"all"``: every low-precision accumulator (momentum
-        buffers, first moments, Adagrad sums, BatchNorm running statistics).  ``"off"``:
+        buffers, first moments, Adagrad sums, BatchNorm running statistics).  ``"exact"``:
+        what ``"all"`` upgrades and every other low-precision tensor an optimizer step
+        writes, each held as the bf16 tensor plus a 16-bit remainder that together are an
+        fp32 value: the step computes what it computes on fp32 tensors, bit for bit
+        (bf16 only; ``arithmetic`` does not apply).  ``"off"``:
         nothing; the graph runs as plain Inductor would run it (with ``metrics=True``, the
         same metrics are measured for plain low-precision arithmetic).
-        Persistent cost: 2 bytes per upgraded element (bf16/fp16 lo); see README.
+        Persistent cost: 2 bytes per upgraded element (a bf16/fp16 lo, or an int16
+        remainder); see README.
     plus_min_decay:
         The smallest decay ``b`` that ``mode="plus"`` upgrades.  bf16 resolves relative
         changes of 2^-9: an EMA with ``1 - b`` below that never moves, and near it rounds
@@ -77,6 +82,11 @@ class CollageConfig:
         if self.arithmetic not in ARITHMETICS:
             raise ValueError(
                 f"collage: arithmetic must be one of {ARITHMETICS}, got {self.arithmetic!r}"
+            )
+        if self.mode == "exact" and self.arithmetic != "fp32":
+            raise ValueError(
+                "collage: mode='exact' computes on fp32 values, bit for bit; arithmetic= "
+                f"chooses how a (hi, lo) pair is updated and does not apply (got {self.arithmetic!r})"
             )
 
     @classmethod

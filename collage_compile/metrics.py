@@ -234,7 +234,7 @@ def _sizes(t: torch.Tensor | None) -> list[float]:
     needs no rounding information, and two more reductions in the step would cost loops)."""
     if t is None:
         return [0.0, 0.0]
-    lo = state.components(t)[1]
+    lo = state.residual(t)  # a remainder's value less hi; a pair's lo
     with torch.no_grad():
         lo_sq = float(lo.double().square().sum()) if lo is not None else 0.0
         return [lo_sq, float(t.double().square().sum())]

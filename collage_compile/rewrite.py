@@ -453,8 +453,11 @@ def _pair_operand(info: GraphInfo, x: Any, own: Accumulator) -> Accumulator | No
     return None
 
 
-def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -> None:
-    """A placeholder per accumulator for its lo component, after the existing inputs."""
+def add_lo_inputs(
+    gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any, dtype: torch.dtype | None = None
+) -> None:
+    """A placeholder per accumulator for its lo component (of ``dtype``: an exact
+    remainder's; the accumulator's own by default), after the existing inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None
     for acc in accs:
@@ -470,7 +473,7 @@ def add_lo_inputs(gm: fx.GraphModule, accs: list[Accumulator], fake_mode: Any) -
         # new input's example is made there, with the accumulator's (possibly symbolic) sizes.
         # Same layout rule as the real lo (state.empty_lo).
         with fake_mode:
-            fake = state.empty_lo(acc.example)
+            fake = state.empty_lo(acc.example, dtype)
         _compat.set_example_value(node, fake)
         node.meta["val"] = fake
         acc.lo_node = node

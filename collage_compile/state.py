@@ -5,6 +5,11 @@ weak reference on every lookup, too slow for a per-step lookup of every paramete
 an ``id()``-keyed dict whose entries hold a weak reference to their tensor and are removed by
 its finalizer, so a lookup is one dict access plus an identity check.
 
+A lo is one of two kinds, told apart by its dtype: a *pair* correction (the tensor's own
+dtype, ``mode="light"/"plus"/"all"``: the value is ``hi + lo``) or an exact *remainder*
+(int16, ``mode="exact"``: the value is :func:`collage_compile.remainder.join` of the two).
+A graph that meets the other kind converts it (:func:`lo_for`), with a CollageWarning.
+
 Tensors passed *into* a compiled function may be fresh aliases made every call
 (``AveragedModel`` passes ``p.detach()`` of each averaged parameter): keyed by identity their
 lo would die with the alias after each step.  They are keyed by *view* instead (storage,
@@ -24,8 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from collage_compile import _compat, mcf
-from collage_compile.diagnostics import CollageWarning
+from collage_compile import _compat, mcf, remainder
+from collage_compile.diagnostics import CollageWarning, warn_once
 from collage_compile.mcf import LOW_PRECISION
 
 __all__ = [
@@ -34,8 +39,10 @@ __all__ = [
     "components",
     "empty_lo",
     "get_lo",
+    "is_remainder",
     "lo_for",
     "los_overlapping",
+    "residual",
     "set_lo",
     "stamp",
     "value",
@@ -190,36 +197,47 @@ def _exact_alias_lo(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def empty_lo(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised lo for ``t`` (real or fake): the tensor's own strides where it is
+def empty_lo(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised lo for ``t`` (real or fake), of ``t``'s dtype unless given (an
+    exact remainder: :data:`remainder.DTYPE`): the tensor's own strides where it is
     dense (a transposed weight's lo is transposed too, so the fused kernel walks both
     alike), contiguous otherwise (a strided view of a larger buffer: lo holds only the
     elements of the view).  A DTensor's lo is a DTensor on the same mesh and placements,
     each rank holding the lo of its own shard."""
+    dtype = dtype or t.dtype
     if _compat.is_dtensor(t):
-        return _compat.dtensor_like(t, empty_lo(_compat.local_tensor(t)))
+        return _compat.dtensor_like(t, empty_lo(_compat.local_tensor(t), dtype))
     if _compat.is_non_overlapping_and_dense(t):
-        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-    return torch.empty(t.size(), dtype=t.dtype, device=t.device)
+        return torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device)
+    return torch.empty(t.size(), dtype=dtype, device=t.device)
+
+
+def is_remainder(lo: torch.Tensor) -> bool:
+    """Whether ``lo`` is an exact remainder (``mode="exact"``) rather than a pair's lo."""
+    return lo.dtype == remainder.DTYPE
 
 
 def fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``lo`` has ``t``'s dtype, shape, device and layout."""
+    """Whether ``lo`` is a lo of ``t``: ``t``'s dtype (or a remainder's), shape, device
+    and layout."""
     return _fits(lo, t)
 
 
 def _fits(lo: torch.Tensor, t: torch.Tensor, any_device: bool = False) -> bool:
     dense = _compat.is_non_overlapping_and_dense(t)
     return (
-        lo.dtype == t.dtype
+        lo.dtype in (t.dtype, remainder.DTYPE)
         and lo.shape == t.shape
         and (any_device or lo.device == t.device)
         and (lo.stride() == t.stride() if dense else lo.is_contiguous())
     )
 
 
-def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
-    """The lo component of ``t``, allocated as zeros on first use.
+def lo_for(
+    t: torch.Tensor, by_view: bool = False, exact: bool = False, name: str = ""
+) -> torch.Tensor:
+    """The lo component of ``t``, allocated as zeros on first use: a pair's lo, or with
+    ``exact`` an int16 remainder (``mode="exact"``, bf16 tensors only).
 
     ``by_view``: ``t`` may be an alias made for this call (an argument of a compiled
     function): use the pair of the tensor it is an exact alias of, else register the new lo
@@ -227,23 +245,27 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
 
     A lo that no longer fits its tensor (``module.half()`` or ``param.data = ...`` changed
     the dtype, shape, device or layout under it) describes a value that is gone: it is
-    replaced by zeros, with a one-time warning naming the tensor's shape.
+    replaced by zeros, with a one-time warning naming the tensor's shape.  A lo of the
+    other kind is converted (:func:`_convert`), with a one-time warning naming ``name``.
     """
     global _epoch
     lo = get_lo(t)
     if lo is not None and _fits(lo, t):
-        return lo
+        return _of_kind(t, lo, exact, name)
     if lo is not None and not by_view and _fits(lo, t, any_device=True):
         # ``module.to(device)``: the values moved, so their corrections move too
-        return _replace(t, lo.to(t.device))
+        return _of_kind(t, _replace(t, lo.to(t.device)), exact, name)
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
+    if exact and t.dtype != torch.bfloat16:
+        raise TypeError(_no_exact_fp16(t, name))
+    dtype = remainder.DTYPE if exact else None
     if by_view:
         lo = _exact_alias_lo(t)
         if lo is not None and _fits(lo, t):
-            return lo
+            return _of_kind(t, lo, exact, name)
         with _lock, torch.no_grad():
-            lo = empty_lo(t).zero_()
+            lo = empty_lo(t, dtype).zero_()
             if len(_by_view) >= 2 * _views_live_after_sweep + 64:
                 _sweep_views()
             _by_view[_view_key(t)] = (_compat.storage_weakref(t), lo)
@@ -255,9 +277,87 @@ def lo_for(t: torch.Tensor, by_view: bool = False) -> torch.Tensor:
             if lo is not None:
                 _warn_refit(lo, t)
             with torch.no_grad():
-                lo = empty_lo(t).zero_()
+                lo = empty_lo(t, dtype).zero_()
             _register(t, lo)
-    return lo
+    return _of_kind(t, lo, exact, name)
+
+
+def _no_exact_fp16(t: torch.Tensor, name: str) -> str:
+    what = name or f"a tensor of shape {tuple(t.shape)}"
+    return (
+        f"collage: mode='exact' holds bf16 tensors only, and {what} is "
+        f"{str(t.dtype).replace('torch.', '')}: fp16 has 5 exponent bits where fp32 has 8, so "
+        "no 16-bit remainder makes an fp16 value exact (docs/numerics.md).  Train it in bf16, "
+        "or use mode='plus'"
+    )
+
+
+def _of_kind(t: torch.Tensor, lo: torch.Tensor, exact: bool, name: str) -> torch.Tensor:
+    return lo if is_remainder(lo) == exact else _convert(t, lo, exact, name)
+
+
+def _convert(t: torch.Tensor, lo: torch.Tensor, exact: bool, name: str) -> torch.Tensor:
+    """Replace ``lo`` by the other kind of lo for the same value, keeping hi and whatever
+    was recorded about it (a checkpoint's pending checksum included).
+
+    To a remainder: the fp32 value ``hi + lo`` less hi's pattern, in int32 arithmetic, as
+    :func:`remainder.join` adds it back.  A pair rounds hi to nearest even, so where its
+    value lies exactly halfway above an even hi the remainder would need +0x8000, one past
+    int16: it keeps 0x7FFF (one fp32 ulp below the value); where a pair's value does not
+    share hi's sign or binade (hi = 0 under a tiny lo) it keeps 0 (the value is hi).  From
+    a remainder: lo is the fp32 value less hi, rounded to the tensor's dtype (what a pair
+    holds)."""
+    if exact and t.dtype != torch.bfloat16:
+        raise TypeError(_no_exact_fp16(t, name))
+    new = as_remainder(t, lo) if exact else as_pair(t, lo)
+    with _lock:
+        _swap(lo, new)
+    what = name or f"a tensor {tuple(t.shape)}"
+    pair, rem = "a (hi, lo) pair's lo", "an exact remainder (mode='exact')"
+    had, gets = (pair, rem) if exact else (rem, pair)
+    warn_once(
+        ("convert", what, gets),
+        f"collage: {what} carried {had} and is now updated by a graph that keeps {gets} "
+        "(a checkpoint of another mode, or a step compiled with another mode): it continues "
+        "from the same value, held as the new kind (docs/checkpoints.md)",
+        stacklevel=4,
+    )
+    return new
+
+
+def as_remainder(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """A pair's ``lo`` of bf16 ``t`` as the remainder of the same value (:func:`_convert`
+    says where it is not exact)."""
+    with torch.no_grad():
+        hi = t.detach()
+        v = mcf.value(hi, lo)
+        diff = v.view(torch.int32).long() - hi.float().view(torch.int32).long()
+        ok = (diff >= -0x8000) & (diff <= 0x8000) & (v == v)
+        rem = torch.where(ok, diff.clamp(max=0x7FFF), 0)
+        return empty_lo(t, remainder.DTYPE).copy_(rem)
+
+
+def as_pair(t: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """A remainder of ``t`` as a pair's lo: the exact value less hi, rounded to ``t``'s dtype."""
+    with torch.no_grad():
+        hi = t.detach()
+        return empty_lo(t).copy_((remainder.join(hi, rem) - hi.float()).to(t.dtype))
+
+
+def _swap(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Put ``new`` wherever the registry holds ``old``; the caller holds ``_lock``."""
+    global _epoch
+    _epoch += 1
+    for key, (ref, lo) in list(_entries.items()):
+        if lo is old:
+            _entries[key] = (ref, new)
+    for key, (ref, lo) in list(_by_view.items()):
+        if lo is old:
+            _by_view[key] = (ref, new)
+    recorded = _stamps.get(id(old))
+    if recorded is not None and recorded.lo() is old:
+        _stamps[id(new)] = _Stamp(_lo_ref(new), *recorded[1:])
+        _versions[id(new)] = _versions.get(id(old))
 
 
 def _register(t: torch.Tensor, lo: torch.Tensor) -> None:
@@ -300,14 +400,18 @@ def _replace(t: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 def set_lo(t: torch.Tensor, lo: torch.Tensor) -> None:
-    """Make ``lo`` (copied into ``t``'s layout) the correction of ``t`` and record ``t``
-    as it is now, so that only a later write outside a compiled step invalidates it."""
+    """Make ``lo`` (copied into ``t``'s layout; an int16 ``lo`` is an exact remainder, any
+    other dtype a pair's lo, cast to ``t``'s) the correction of ``t`` and record ``t`` as
+    it is now, so that only a later write outside a compiled step invalidates it."""
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo given for a {t.dtype} tensor of shape {tuple(t.shape)}")
     if lo.shape != t.shape:
         raise ValueError(f"collage: lo of shape {tuple(lo.shape)} for a tensor {tuple(t.shape)}")
+    exact = is_remainder(lo)
+    if exact and t.dtype != torch.bfloat16:
+        raise TypeError(_no_exact_fp16(t, ""))
     with torch.no_grad():
-        new = empty_lo(t).copy_(lo)
+        new = empty_lo(t, lo.dtype if exact else None).copy_(lo)
     with _lock:
         _register(t, new)
     stamp(t, new)
@@ -342,9 +446,22 @@ def components(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def value(t: torch.Tensor) -> torch.Tensor:
-    """The fp32 value ``hi + lo`` that the optimizer tracks (``t.float()`` where there is no lo)."""
+    """The fp32 value the optimizer tracks: ``hi + lo`` of a pair, the exact value of a
+    remainder (``t.float()`` where there is no lo)."""
     with torch.no_grad():
-        return mcf.value(t.detach(), _current_lo(t))
+        lo = _current_lo(t)
+        if lo is not None and is_remainder(lo):
+            return remainder.join(t.detach(), lo)
+        return mcf.value(t.detach(), lo)
+
+
+def residual(t: torch.Tensor) -> torch.Tensor | None:
+    """What the value holds beyond hi, ``value(t) - hi`` in fp32 (exact); None without a lo."""
+    lo = _current_lo(t)
+    if lo is None:
+        return None
+    with torch.no_grad():
+        return lo.float() if not is_remainder(lo) else value(t) - t.detach().float()
 
 
 def clear() -> None:

@@ -9,10 +9,14 @@ Before them, normalizations run on the graph where the configuration asks for th
 
 0. ``eager_alpha`` (``arithmetic="storage"``) -- ``a.add(b, alpha=c)`` on bf16/fp16 spelled
    out in fp32 with one cast, so it rounds once as eager does (see its docstring)
-0. ``batch_norm`` (``mode="all"``) -- a training-mode ``F.batch_norm``'s running statistics
+0. ``batch_norm`` (``mode="all"`` and ``"exact"``) -- a training-mode ``F.batch_norm``'s running statistics
    spelled out as two ``lerp_`` writes, which the lerp family then claims
-0. ``step_size`` (every mode) -- Adam's compiled low-precision denominator, which divides
-   by the step size, refolded so that ``lr = 0`` updates by 0 instead of writing NaN
+0. ``step_size`` (every mode but ``"exact"``) -- Adam's compiled low-precision denominator,
+   which divides by the step size, refolded so that ``lr = 0`` updates by 0 instead of
+   writing NaN
+
+``mode="exact"`` then runs ``promote`` (every upgraded tensor computes as its fp32 value,
+in place of the families' rewrite) and ``step_size`` in its exact form.
 
 After the rewrite, on every graph that holds a low-precision accumulator:
 
@@ -41,6 +45,7 @@ from collage_compile.passes import (
     decay,
     eager_alpha,
     lerp,
+    promote,
     scalars,
     step_size,
 )
@@ -55,9 +60,10 @@ FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
 
 # (name, applies to a configuration, normalization)
 NORMALIZATIONS: tuple[tuple[str, Callable[[Any], bool], Callable[..., int]], ...] = (
-    ("batch_norm", lambda config: config.mode == "all", batch_norm.run),
+    ("batch_norm", lambda config: config.mode in ("all", "exact"), batch_norm.run),
     ("eager_alpha", lambda config: config.arithmetic == "storage", eager_alpha.run),
-    ("step_size", lambda config: True, step_size.run),
+    # exact mode keeps Adam's own rounding: its form of the fix runs after the promotion
+    ("step_size", lambda config: config.mode != "exact", step_size.run),
 )
 
 
@@ -79,6 +85,7 @@ def run(info: Any, ctx: Any) -> dict[str, int]:
 def uuid() -> str:
     """Hash of every family's source, so a changed pass changes cache keys."""
     h = hashlib.sha256()
-    for fn in (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES), scalars.run):
+    passes = (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES))
+    for fn in (*passes, scalars.run, promote.run):
         h.update(inspect.getsource(inspect.getmodule(fn)).encode())
     return h.hexdigest()[:16]

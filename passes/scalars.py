@@ -13,6 +13,7 @@ After::
     _foreach_div_(bias_correction1, t.to(float32))         # Tensor overload
     _foreach_pow([t.to(float32).expand_as(s) for s in steps], steps)
     buf.add_(grad * t.to(float32))
+    prims.fma(u, t.to(float32), x)                # fma(u, -item, x): one rounding either way
 
 Why: a float that changes between calls reaches the graph as a SymFloat, and torch's float
 tensorification (``torch/fx/passes/_tensorify_python_scalars.py``, run by AOTAutograd)
@@ -158,6 +159,14 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
     ):
         # positional operands of aten arithmetic: torch's own tensorification handles them
         return False
+    if name == "fma" and len(args) == 3 and not kwargs:
+        # Dynamo's addcmul_/addcdiv_ with value=: fma(t, value, self), fused (one rounding)
+        # in Inductor's kernel whether b is a float or a 0-dim tensor of the same value
+        meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
+        if meta is None:
+            return None
+        node.args = tuple(tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args)
+        return True
     if name == "lerp" and len(args) == 3 and is_symbolic_float(args[2]) and not kwargs:
         # Inductor's lerp decomposition branches on the weight in Python (|w| < 1/2): that
         # comparison guards on it.  Spelled out in fp32 with one rounding, as eager's first

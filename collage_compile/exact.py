@@ -1,0 +1,225 @@
+"""``mode="exact"``: the step computes on the fp32 values a bf16 tensor and its 16-bit
+remainder hold (:mod:`collage_compile.remainder`), bit for bit what the same step computes
+on fp32 tensors.
+
+    compile_exact(...)
+      -> which tensors   every low-precision tensor the graph writes, and every weight a
+                         write to one of them reads whole (an EMA's parameter)
+      -> remainder inputs, one int16 per tensor (rewrite.add_lo_inputs)
+      -> promote         passes.promote: join at the start, the graph's own ops in fp32,
+                         split at the end
+      -> measure         with metrics, the parameters' updates (:func:`_measure`)
+      -> finalize        changing hyperparameters as tensors (passes.scalars), and Adam's
+                         denominator at lr = 0 (passes.step_size, exact form)
+      -> Inductor        as for the fp32 step
+
+Which ops write a tensor does not matter (a ``torch.maximum``, a write through a view): the
+optimizer's own ops run on the fp32 value.  A tensor the graph reaches through two
+different views of one storage (a flat buffer and its parts, passed in separately) cannot
+be given one fp32 value per view: it is left in plain bf16, named in a CollageWarning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from collage_compile import _compat, metrics, names, remainder, report, rewrite, state, watch
+from collage_compile.accumulators import Accumulator, Element, GraphInfo, Site
+from collage_compile.config import CollageConfig
+from collage_compile.passes import promote, scalars, step_size
+
+__all__ = ["Compiled", "compile_exact"]
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One graph compiled in exact mode, and what the backend's wrapper needs to call it."""
+
+    fn: Callable[..., Any]
+    upgraded: list[Accumulator]  # one per tensor, its remainder an input, in order
+    left: list[Accumulator]  # written, not upgraded (their lo restarts after each call)
+    measured: list[tuple[Accumulator, Any]]  # metrics rows
+    readers: list[Accumulator]  # weights read whole, their remainders inputs after
+    new_state: list[int]  # outputs whose remainders the graph returns after its outputs
+
+
+def compile_exact(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    sites: dict[Any, Site],
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+    record: bool,
+) -> Compiled:
+    """Rewrite and compile one graph in exact mode."""
+    grads = [a for a in info.accumulators if _compat.is_gradient_input(a.node)]
+    groups, left = _choose(info, set(grads))
+    for acc in [a for g in groups for a in g]:
+        if acc.dtype != torch.bfloat16:
+            raise TypeError(state._no_exact_fp16(acc.example, acc.describe()))
+    upgraded = [g[0] for g in groups]
+    chained = {a for g in groups for a in g}
+    claimed = {w: s for w, s in sites.items() if w.acc in chained}
+    readers = [
+        r
+        for r in rewrite.pair_readers(info, rewrite.plan_chains(info, claimed, []))
+        if r.dtype == torch.bfloat16 and r not in chained
+    ]
+    _report(info, chained, config, record)
+    watch.compiled_frame(
+        _compat.current_frame(),
+        [
+            (names.display(a.real, a.name), id(a.real) if a.real is not None else None)
+            for a in upgraded
+        ],
+    )
+    fake_mode = _compat.fake_mode_of(example_inputs, gm)
+    with_rem = upgraded + readers
+    rewrite.add_lo_inputs(gm, with_rem, fake_mode, remainder.DTYPE)
+    tensors = [promote.Promoted([a.node for a in g], g[0].lo_node, True) for g in groups]
+    tensors += [promote.Promoted([r.node], r.lo_node, False) for r in readers]
+    written = {w.acc for w in info.writes}
+    tensors += [promote.Promoted([g.node], None, g in written) for g in grads]
+    promotion = promote.run(gm, tensors, fake_mode)
+    measured = []
+    if config.metrics:
+        measured = _measure(gm, info, claimed, groups, promotion.current)
+        if measured:
+            rewrite.add_metrics_output(gm, measured)
+    scalars.run(gm)
+    step_size.run(gm, exact=True)
+    gm.graph.lint()
+    gm.recompile()
+    rem_examples = [_compat.example_value(a.lo_node) for a in with_rem]
+    compiled = _compat.compile_with_inductor(
+        gm,
+        [*example_inputs, *rem_examples],
+        {**_compat.scalar_prologue_patch(), **_compat.no_input_asserts_patch()},
+    )
+    return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state)
+
+
+def _choose(
+    info: GraphInfo, grads: set[Accumulator]
+) -> tuple[list[list[Accumulator]], list[Accumulator]]:
+    """The written low-precision tensors but gradients, each as the group of input nodes
+    that are the same view of it (a parameter and its ``detach()`` passed in), and those
+    left: a storage reached through different views."""
+    written = list({w.acc: None for w in info.writes if w.acc not in grads})
+    groups, left, seen = [], [], set()
+    for acc in written:
+        if acc in seen:
+            continue
+        same = info.aliases(acc)
+        seen.update(same)
+        if all(_same_view(a.example, acc.example) for a in same):
+            groups.append([acc, *[a for a in same if a is not acc]])
+            continue
+        for a in same:
+            if any(w.acc is a for w in info.writes):
+                a.eligible, a.warn = False, True
+                a.reason = (
+                    "shares its memory with another input of this graph through a different "
+                    "view (a flat buffer and its parts): exact mode cannot give both one fp32 "
+                    "value, so it is updated in plain low precision"
+                )
+                left.append(a)
+    return groups, left
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+    )
+
+
+def _report(
+    info: GraphInfo, chained: set[Accumulator], config: CollageConfig, record: bool
+) -> None:
+    """Every write of a promoted tensor is upgraded, whatever its op."""
+    upgraded = {w: Site(w, [], w.op) for w in info.writes if w.acc in chained}
+    left = [w for w in info.writes if w.acc not in chained]
+    rep = report.GraphReport.build(info, upgraded, left, config)
+    if record:
+        rep.warn_unsupported()
+        report.record(rep)
+
+
+# ---- metrics ----------------------------------------------------------------------------
+
+
+def _measure(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    claimed: dict[Any, Site],
+    groups: list[list[Accumulator]],
+    current: Callable[[Any], Any],
+) -> list[tuple[Accumulator, Any]]:
+    """The step's metrics for each parameter whose every write a family understood (its
+    intended update is computed from the writes' operands, as in the other modes).
+
+    old: the joined value before the first write (a copy: the fp32 value is updated in
+    place); hi before: the stored bf16 tensor.  new: the fp32 value after the last write;
+    hi after: its split.  lo, old and new, is the value less hi (exact in fp32)."""
+    graph = gm.graph
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    proxy = lambda n: fx.Proxy(n, tracer)
+    measured = []
+    for group in groups:
+        acc = group[0]
+        writes = [w for w in info.writes if w.acc in group]
+        if acc.role != "param" or not all(w in claimed for w in writes):
+            continue
+        value = current(acc.node)
+        first, last = current(writes[0].node), current(writes[-1].node)
+        with graph.inserting_before(first):
+            old = torch.clone(proxy(value))
+            old_hi = proxy(acc.node).float()
+            old_lo = old - old_hi
+        steps = [s for w in writes for s in claimed[w].steps]
+        with graph.inserting_before(last):
+            operands = [
+                (s.kind, tuple(_fp32_operand(proxy, current, a) for a in s.args), s.update)
+                for s in steps
+            ]
+            delta = metrics.intended_delta(
+                old_hi, old_lo, rewrite.trace_steps(proxy(value), operands)
+            )
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            new = proxy(value)
+            new_hi, _ = remainder.split(new, acc.dtype)
+            new_hi = new_hi.float()
+            sums = metrics.step_sums(old_hi, old_lo, new_hi, new - new_hi, delta)
+        measured.append((acc, sums.node))
+    return measured
+
+
+def _fp32_operand(
+    proxy: Callable[[fx.Node], fx.Proxy], current: Callable[[Any], Any], a: Any
+) -> Any:
+    """A step's operand as the promoted graph holds it, low precision read as fp32."""
+    if isinstance(a, Element):
+        node = current(a.node)
+        item = proxy(node)[a.index]
+        return item.float() if _low(node) else item
+    if isinstance(a, fx.Node):
+        node = current(a)
+        return proxy(node).float() if _low(node) else proxy(node)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fp32_operand(proxy, current, v) for v in a)
+    return a
+
+
+def _low(node: fx.Node) -> bool:
+    ex = _compat.example_value(node)
+    ex = ex[0] if isinstance(ex, (list, tuple)) and ex else ex
+    return isinstance(ex, torch.Tensor) and ex.dtype in (torch.bfloat16, torch.float16)
