@@ -357,8 +357,9 @@ def realize_scalars_pass() -> Any:
     and reloaded around it, and each vector's long dependency chain restarts after it.
     Inductor's ``as_strided`` lowering realizes its input: the scalar is computed once in
     the kernel's scalar prologue and loaded in the loop (same kernel, same fp32 value, no
-    numerical change).  Low-precision 0-d values are left alone (their store would round),
-    and so are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`).
+    numerical change).  A 0-d bool (exact mode's ``step_size == 0``) is computed once the
+    same way.  Low-precision 0-d values are left alone (their store would round), and so
+    are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`).
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -370,7 +371,7 @@ def realize_scalars_pass() -> Any:
             node.op == "call_function"
             and isinstance(val, torch.Tensor)
             and val.dim() == 0
-            and val.dtype in (torch.float32, torch.float64)
+            and val.dtype in (torch.float32, torch.float64, torch.bool)
         )
 
     def large(node: fx.Node) -> bool:

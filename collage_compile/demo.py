@@ -5,13 +5,14 @@
 
 A byte-level GPT (nanoGPT-style: causal self-attention, MLP, LayerNorm, tied embeddings; no
 biases) is trained with a stock ``torch.optim.AdamW`` under a warmup + cosine ``LambdaLR``
-stepped every step (``--schedule constant`` for a fixed lr), four ways:
+stepped every step (``--schedule constant`` for a fixed lr), five ways:
 
 ================  ==========================================================================
 ``fp32-master``   bf16 model, fp32 master weights and fp32 AdamW state: the (16, 32) baseline
 ``bf16``          bf16 weights and state, plain arithmetic (``make_backend(mode="off")``)
 ``collage-light`` bf16 weights and state, parameter updates carried as (hi, lo) pairs
 ``collage-plus``  also AdamW's second moment as a pair (β2 = 0.999 rounds to 1 in bf16)
+``collage-exact`` bf16 weights and state, each with an int16 remainder: fp32's arithmetic
 ================  ==========================================================================
 
 Every strategy starts from the same bf16 weights, sees the same batches and is evaluated the
@@ -50,9 +51,9 @@ import collage_compile
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-STRATEGIES = ("fp32-master", "bf16", "collage-light", "collage-plus")
+STRATEGIES = ("fp32-master", "bf16", "collage-light", "collage-plus", "collage-exact")
 # the backend mode behind each bf16-only strategy ("off": nothing rewritten, still measured)
-MODES = {"bf16": "off", "collage-light": "light", "collage-plus": "plus"}
+MODES = {"bf16": "off", "collage-light": "light", "collage-plus": "plus", "collage-exact": "exact"}
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -222,6 +223,64 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@dataclasses.dataclass
+class Strategy:
+    """What the training loop needs of one strategy: the optimizer its schedule steps, the
+    optimizer step, the tensors it keeps between steps, and how a sampled step is measured
+    (``snapshot`` before it, untimed; ``measured`` around it; ``metrics`` after it)."""
+
+    opt: torch.optim.Optimizer
+    step: Callable[[], None]
+    persistent: Callable[[], list[torch.Tensor]]
+    snapshot: Callable[[], Any] = lambda: None
+    measured: Callable[[], Any] = contextlib.nullcontext
+    metrics: Callable[[Any], dict[str, float]] = lambda _: collage_compile.last_metrics()
+
+
+def fp32_master(params: dict[str, torch.Tensor], s: Settings) -> Strategy:
+    """(16, 32): fp32 copies are what AdamW updates (fp32 m and v); the bf16 model only
+    runs forward and backward, and gets the rounded masters after every step.  Its step is
+    compiled with plain Inductor, as a user would."""
+    masters = {k: p.detach().float().requires_grad_() for k, p in params.items()}
+    opt = torch.optim.AdamW(param_groups(masters, s.weight_decay), **_adamw(s))
+    compiled = torch.compile(opt.step, backend="inductor")
+    model_p, master_p = list(params.values()), list(masters.values())
+
+    def step() -> None:
+        for m, p in zip(master_p, model_p):
+            m.grad = p.grad.float()
+        compiled()
+        with torch.no_grad():
+            for p, m in zip(model_p, master_p):
+                p.copy_(m)
+
+    return Strategy(
+        opt,
+        step,
+        lambda: model_p + master_p + _state(opt),
+        # measured outside the timed step: its intended update is the masters' change, and
+        # hi is the bf16 copy the forward pass uses
+        snapshot=lambda: [t.detach().clone() for t in master_p + model_p],
+        metrics=lambda before: _copy_metrics(before, master_p, model_p),
+    )
+
+
+def bf16_only(params: dict[str, torch.Tensor], s: Settings, mode: str) -> Strategy:
+    """bf16 weights and state, the step compiled with the backend in ``mode``; measured
+    inside the compiled step on the sampled steps alone (``every="metered"``)."""
+    opt = torch.optim.AdamW(param_groups(params, s.weight_decay), **_adamw(s))
+    every = "metered" if s.metrics else 1
+    backend = collage_compile.make_backend(mode=mode, metrics=s.metrics, every=every)
+    step = torch.compile(opt.step, backend=backend)
+    return Strategy(
+        opt, step, lambda: list(params.values()) + _state(opt), measured=collage_compile.measuring
+    )
+
+
+def _adamw(s: Settings) -> dict[str, Any]:
+    return dict(lr=s.lr, betas=(s.beta1, s.beta2))
+
+
 def train_one(
     strategy: str,
     init: dict[str, torch.Tensor],
@@ -234,155 +293,142 @@ def train_one(
     """Train a fresh copy of the model from ``init`` with one strategy; its curves and numbers."""
     torch._dynamo.reset()  # each strategy compiles its own step, with nothing left over
     collage_compile.reset_metrics()
-    dev = s.device
-    if dev.startswith("cuda"):
+    if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = GPT(**model_args).to(dev, torch.bfloat16)
+    model = GPT(**model_args).to(s.device, torch.bfloat16)
     model.load_state_dict(init)
     params = dict(model.named_parameters())
-    adamw = dict(lr=s.lr, betas=(s.beta1, s.beta2))
-
     if strategy == "fp32-master":
-        # (16, 32): fp32 copies are what AdamW updates (fp32 m and v); the bf16 model only
-        # runs forward and backward, and gets the rounded masters after every step
-        masters = {k: p.detach().float().requires_grad_() for k, p in params.items()}
-        opt = torch.optim.AdamW(param_groups(masters, s.weight_decay), **adamw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(s))
-        compiled = torch.compile(opt.step, backend="inductor")
-        model_p, master_p = list(params.values()), list(masters.values())
-
-        def opt_step() -> None:
-            for m, p in zip(master_p, model_p):
-                m.grad = p.grad.float()
-            compiled()
-            with torch.no_grad():
-                for p, m in zip(model_p, master_p):
-                    p.copy_(m)
-
-        persistent = lambda: list(params.values()) + master_p + _state(opt)
+        st = fp32_master(params, s)
     else:
-        opt = torch.optim.AdamW(param_groups(params, s.weight_decay), **adamw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(s))
-        # measured only on the sampled steps (inside measuring() below); the others run
-        # the step compiled without the measurement
-        every = "metered" if s.metrics else 1
-        backend = collage_compile.make_backend(mode=MODES[strategy], metrics=s.metrics, every=every)
-        opt_step = torch.compile(opt.step, backend=backend)
-        persistent = lambda: list(params.values()) + _state(opt)
-    n_params = sum(p.numel() for p in params.values())
-
-    starts = batch_starts(len(train), s.block_size, s.steps, s.batch_size, s.seed + 1)
-    eval_starts = {
-        split: batch_starts(len(data), s.block_size, s.eval_batches, s.batch_size, s.seed + 2)
-        for split, data in (("train", train), ("val", val))
-    }
-
+        st = bf16_only(params, s, MODES[strategy])
+    sched = torch.optim.lr_scheduler.LambdaLR(st.opt, lr_factor(s))
     # Forward and backward run eagerly by default: at the default size on 2 CPU cores eager and
     # Inductor-compiled forward + backward both took ~48 ms (measured), and compiling would
     # add its time to every strategy.  --compile-forward compiles them (the same way for
     # every strategy; later strategies hit Inductor's cache, as the shapes are the same).
     fwd = torch.compile(model) if s.compile_forward else model
+    run = _Run(strategy, st, sched, model, fwd, train, val, s)
+    t_start = time.perf_counter()
+    run.loop(progress)
+    wall = time.perf_counter() - t_start
+    n_params = sum(p.numel() for p in params.values())
+    return run.summary(n_params, wall)
+
+
+class _Run:
+    """One strategy's training loop and what it records."""
+
+    def __init__(
+        self,
+        strategy: str,
+        st: Strategy,
+        sched: Any,
+        model: nn.Module,
+        fwd: Any,
+        train: torch.Tensor,
+        val: torch.Tensor,
+        s: Settings,
+    ):
+        self.strategy, self.st, self.sched, self.s = strategy, st, sched, s
+        self.model, self.fwd, self.train, self.val = model, fwd, train, val
+        self.starts = batch_starts(len(train), s.block_size, s.steps, s.batch_size, s.seed + 1)
+        self.eval_starts = {
+            split: batch_starts(len(data), s.block_size, s.eval_batches, s.batch_size, s.seed + 2)
+            for split, data in (("train", train), ("val", val))
+        }
+        self.curve: dict[str, list[float]] = {"step": [], "train": [], "val": []}
+        self.edq: dict[str, list[float]] = {"step": [], "edq": [], "edq_hi": [], "imprecision": []}
+        self.step_loss: list[float] = []
+        self.step_ms: list[float] = []
+        self.opt_ms: list[float] = []
 
     @torch.no_grad()
-    def evaluate() -> dict[str, float]:
+    def evaluate(self, step: int) -> None:
         # no dropout or batch statistics: train mode is eval mode (and flipping it would
         # recompile the forward)
-        out = {}
-        for split, data in (("train", train), ("val", val)):
+        s = self.s
+        self.curve["step"].append(step)
+        for split, data in (("train", self.train), ("val", self.val)):
             losses = [
-                fwd(*get_batch(data, st, s.block_size, dev)).item() for st in eval_starts[split]
+                self.fwd(*get_batch(data, st, s.block_size, s.device)).item()
+                for st in self.eval_starts[split]
             ]
-            out[split] = statistics.fmean(losses)
+            self.curve[split].append(statistics.fmean(losses))
+
+    def loop(self, progress: Callable[..., Any]) -> None:
+        s, st = self.s, self.st
+        self.evaluate(0)
+        bar = progress(range(s.steps), desc=f"{self.strategy:>13}", unit="step", leave=True)
+        sample_every = max(1, s.eval_every // 4)
+        for i in bar:
+            x, y = get_batch(self.train, self.starts[i], s.block_size, s.device)
+            sampled = s.metrics and (i + 1) % sample_every == 0
+            before = st.snapshot() if sampled else None
+            _sync(s.device)
+            t0 = time.perf_counter()
+            loss = self.fwd(x, y)
+            st.opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            loss.backward()
+            _sync(s.device)
+            t1 = time.perf_counter()
+            with st.measured() if sampled else contextlib.nullcontext():
+                st.step()
+            _sync(s.device)
+            t2 = time.perf_counter()
+            self.sched.step()
+            self.step_ms.append(1e3 * (t2 - t0))
+            self.opt_ms.append(1e3 * (t2 - t1))
+            self.step_loss.append(loss.item())
+            if sampled:
+                self.record_metrics(i + 1, st.metrics(before))
+            if (i + 1) % s.eval_every == 0 or i + 1 == s.steps:
+                self.evaluate(i + 1)
+                bar.set_postfix(val=f"{self.curve['val'][-1]:.4f}")
+        bar.close()
+
+    def record_metrics(self, step: int, m: dict[str, float]) -> None:
+        if m:
+            self.edq["step"].append(step)
+            for k in ("edq", "edq_hi", "imprecision"):
+                self.edq[k].append(m[k])
+
+    def summary(self, n_params: int, wall: float) -> dict[str, Any]:
+        # The first steps compile (and warm caches): time the rest.  On a shared machine other
+        # processes stall some steps by whole scheduler slices (2 OpenMP threads on 2 busy
+        # cores), so the 20th percentile says what the code costs better than the median.
+        warm = self.step_ms[min(3, len(self.step_ms) - 1) :]
+        warm_opt = self.opt_ms[min(3, len(self.opt_ms) - 1) :]
+        cuda = self.s.device.startswith("cuda")
+        out: dict[str, Any] = {
+            "strategy": self.strategy,
+            "mode": MODES.get(self.strategy),
+            # the backend measured EDQ inside the compiled step, on the sampled steps alone
+            "metrics_in_step": bool(self.s.metrics and self.strategy != "fp32-master"),
+            "final_train_loss": self.curve["train"][-1],
+            "final_val_loss": self.curve["val"][-1],
+            "curve": self.curve,
+            "step_loss": self.step_loss,
+            "edq_curve": self.edq,
+            "ms_per_step": _quantile(warm, 0.2),
+            "opt_ms_per_step": _quantile(warm_opt, 0.2),
+            "ms_per_step_median": statistics.median(warm),
+            "opt_ms_per_step_median": statistics.median(warm_opt),
+            "step_ms": self.step_ms,
+            "opt_ms": self.opt_ms,
+            "first_step_s": self.step_ms[0] / 1e3,
+            "wall_s": wall,
+            "n_params": n_params,
+            "persistent_bytes": persistent_bytes(self.st.persistent()),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        }
+        out["bytes_per_param"] = out["persistent_bytes"] / n_params
+        for k in ("edq", "edq_hi", "imprecision"):
+            vals = [v for v in self.edq[k] if not math.isnan(v)]
+            out[k] = statistics.fmean(vals) if vals else None
         return out
-
-    curve: dict[str, list[float]] = {"step": [], "train": [], "val": []}
-    edq_curve: dict[str, list[float]] = {"step": [], "edq": [], "edq_hi": [], "imprecision": []}
-    step_loss: list[float] = []
-    step_ms: list[float] = []
-    opt_ms: list[float] = []
-
-    def record_eval(step: int) -> None:
-        ev = evaluate()
-        curve["step"].append(step)
-        curve["train"].append(ev["train"])
-        curve["val"].append(ev["val"])
-
-    record_eval(0)
-    t_start = time.perf_counter()
-    bar = progress(range(s.steps), desc=f"{strategy:>13}", unit="step", leave=True)
-    sample_every = max(1, s.eval_every // 4)
-    for i in bar:
-        x, y = get_batch(train, starts[i], s.block_size, dev)
-        sampled = s.metrics and (i + 1) % sample_every == 0
-        if sampled and strategy == "fp32-master":
-            # the backend measures the bf16 strategies inside their step; the baseline is
-            # measured here, outside the timed region: its intended update is the fp32
-            # masters' change, and hi is the bf16 copy the forward pass uses
-            before = [t.detach().clone() for t in master_p + model_p]
-        _sync(dev)
-        t0 = time.perf_counter()
-        loss = fwd(x, y)
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        _sync(dev)
-        t1 = time.perf_counter()
-        with collage_compile.measuring() if sampled else contextlib.nullcontext():
-            opt_step()
-        _sync(dev)
-        t2 = time.perf_counter()
-        sched.step()
-        step_ms.append(1e3 * (t2 - t0))
-        opt_ms.append(1e3 * (t2 - t1))
-        step_loss.append(loss.item())
-        if sampled:
-            if strategy == "fp32-master":
-                m = _copy_metrics(before, master_p, model_p)
-            else:
-                m = collage_compile.last_metrics()
-            if m:
-                edq_curve["step"].append(i + 1)
-                for k in ("edq", "edq_hi", "imprecision"):
-                    edq_curve[k].append(m[k])
-        if (i + 1) % s.eval_every == 0 or i + 1 == s.steps:
-            record_eval(i + 1)
-            bar.set_postfix(val=f"{curve['val'][-1]:.4f}")
-    wall = time.perf_counter() - t_start
-    bar.close()
-
-    # The first steps compile (and warm caches): time the rest.  On a shared machine other
-    # processes stall some steps by whole scheduler slices (2 OpenMP threads on 2 busy
-    # cores), so the 20th percentile says what the code costs better than the median.
-    warm = step_ms[min(3, len(step_ms) - 1) :]
-    warm_opt = opt_ms[min(3, len(opt_ms) - 1) :]
-    out: dict[str, Any] = {
-        "strategy": strategy,
-        "mode": MODES.get(strategy),
-        # the backend measured EDQ inside the compiled step, on the sampled steps alone
-        "metrics_in_step": bool(s.metrics and strategy != "fp32-master"),
-        "final_train_loss": curve["train"][-1],
-        "final_val_loss": curve["val"][-1],
-        "curve": curve,
-        "step_loss": step_loss,
-        "edq_curve": edq_curve,
-        "ms_per_step": _quantile(warm, 0.2),
-        "opt_ms_per_step": _quantile(warm_opt, 0.2),
-        "ms_per_step_median": statistics.median(warm),
-        "opt_ms_per_step_median": statistics.median(warm_opt),
-        "step_ms": step_ms,
-        "opt_ms": opt_ms,
-        "first_step_s": (step_ms[0]) / 1e3,
-        "wall_s": wall,
-        "n_params": n_params,
-        "persistent_bytes": persistent_bytes(persistent()),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if dev.startswith("cuda") else None,
-    }
-    out["bytes_per_param"] = out["persistent_bytes"] / n_params
-    for k in ("edq", "edq_hi", "imprecision"):
-        vals = [v for v in edq_curve[k] if not math.isnan(v)]
-        out[k] = statistics.fmean(vals) if vals else None
-    return out
 
 
 @torch.no_grad()
@@ -471,7 +517,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    colors = dict(zip(STRATEGIES, ("black", "tab:red", "tab:blue", "tab:green")))
+    colors = dict(zip(STRATEGIES, ("black", "tab:red", "tab:blue", "tab:green", "tab:purple")))
     ref = next((r for r in results if r["strategy"] == "fp32-master"), None)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=72)
     (ax_val, ax_gap), (ax_train, ax_edq) = axes
@@ -685,7 +731,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     notes.append(
         "bytes/param: persistent tensors (bf16 params, fp32 masters, AdamW m and v and step, "
-        "lo), counted from the tensors. peak memory: CUDA only "
+        "lo or remainders), counted from the tensors. peak memory: CUDA only "
         "(torch.cuda.max_memory_allocated)."
     )
     print("\n" + text + "\n" + "\n".join(notes), flush=True)

@@ -70,7 +70,7 @@ def compile_exact(
         for r in rewrite.pair_readers(info, rewrite.plan_chains(info, claimed, []))
         if r.dtype == torch.bfloat16 and r not in chained
     ]
-    _report(info, chained, config, record)
+    _report(info, chained, set(grads), config, record)
     watch.compiled_frame(
         _compat.current_frame(),
         [
@@ -142,9 +142,17 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _report(
-    info: GraphInfo, chained: set[Accumulator], config: CollageConfig, record: bool
+    info: GraphInfo,
+    chained: set[Accumulator],
+    grads: set[Accumulator],
+    config: CollageConfig,
+    record: bool,
 ) -> None:
-    """Every write of a promoted tensor is upgraded, whatever its op."""
+    """Every write of a promoted tensor is upgraded, whatever its op; a gradient written in
+    place is computed in fp32 and stored in its dtype: not state, listed without a warning."""
+    for g in grads:
+        g.eligible, g.warn = False, False
+        g.reason = "a gradient, not state: computed in fp32, stored in its own dtype"
     upgraded = {w: Site(w, [], w.op) for w in info.writes if w.acc in chained}
     left = [w for w in info.writes if w.acc not in chained]
     rep = report.GraphReport.build(info, upgraded, left, config)

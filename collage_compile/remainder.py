@@ -47,10 +47,10 @@ def split(x: Any, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
     if dtype != torch.bfloat16:
         raise TypeError(f"collage: an exact remainder needs bfloat16, got {dtype}")
     bits = torch.where(x == x, x, float("nan")).view(torch.int32)
-    high = (bits + _HALF) & _HIGH_MASK
-    return high.view(torch.float32).to(dtype), (bits - high).to(DTYPE)
+    high = (bits + _HALF) >> 16  # hi's own pattern, in [-2^15, 2^15)
+    return high.to(torch.int16).view(dtype), (bits - high * 65536).to(DTYPE)
 
 
 def join(hi: Any, rem: Any) -> Any:
     """The fp32 value of (hi, remainder): exact."""
-    return (hi.float().view(torch.int32) + rem.to(torch.int32)).view(torch.float32)
+    return (hi.view(torch.int16).to(torch.int32) * 65536 + rem.to(torch.int32)).view(torch.float32)

@@ -9,7 +9,8 @@ the strategy's backend, and every rank reads its own slice of the same global ba
 Strategies: ``fp32`` (fp32 sharded parameters and state, bf16 compute through
 ``MixedPrecisionPolicy``: the usual master-weight set-up), ``bf16`` (plain Inductor on bf16
 parameters: updates lost to rounding), collage ``light`` and ``plus`` (bf16 parameters,
-each lo sharded like its parameter).  Rank 0 prints the validation loss of each and its
+each lo sharded like its parameter) and ``exact`` (bf16 parameters and state, each with an
+int16 remainder sharded like it: fp32's arithmetic in 12 bytes per parameter).  Rank 0 prints the validation loss of each and its
 gap to fp32's.
 """
 
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import collage_compile
 from collage_compile.demo import GPT, batch_starts, get_batch, load_data
 
-STRATEGIES = ("fp32", "bf16", "light", "plus")
+STRATEGIES = ("fp32", "bf16", "light", "plus", "exact")
 
 
 def build(args: argparse.Namespace, strategy: str, device: str) -> torch.nn.Module:

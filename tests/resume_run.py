@@ -1,9 +1,10 @@
 """A small bf16 training run for the checkpoint tests, run in fresh processes.
 
-    python tests/resume_run.py full CKPT OUT       100 steps; saves a checkpoint at step 50
-    python tests/resume_run.py resume CKPT OUT     loads CKPT (with attach), 50 more steps
+    python tests/resume_run.py full CKPT OUT [MODE]    100 steps; a checkpoint at step 50
+    python tests/resume_run.py resume CKPT OUT [MODE]  loads CKPT (with attach), 50 more steps
 
-AdamW in plus mode (params and second moment carry pairs) and an AveragedModel EMA of the
+AdamW in plus mode (params and second moment carry pairs; MODE=exact: every tensor carries
+a remainder) and an AveragedModel EMA of the
 weights, both compiled with the collage backend; eager forward/backward on one thread, so
 that two processes given the same state compute the same bits.  ``OUT`` receives every
 final tensor (params, their lo, optimizer state and its lo, EMA and its lo).  ``resume``
@@ -23,6 +24,9 @@ import collage_compile
 STEPS, SAVE_AT = 100, 50
 
 
+MODE = "plus"
+
+
 def build():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -32,7 +36,7 @@ def build():
         model.parameters(), lr=3e-5, betas=(0.9, 0.999), weight_decay=0.01, foreach=False
     )
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=False)
-    backend = collage_compile.make_backend(mode="plus")
+    backend = collage_compile.make_backend(mode=MODE)
     step = torch.compile(opt.step, backend=backend)
     update = torch.compile(ema.update_parameters, backend=backend)
 
@@ -86,8 +90,10 @@ def resume(ckpt: str, with_lo: bool) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    global MODE
     torch.set_num_threads(1)
     what, ckpt, out = sys.argv[1:4]
+    MODE = sys.argv[4] if len(sys.argv) > 4 else MODE
     if what == "full":
         model, opt, ema, train = build()
         collage_compile.attach(opt, ema)

@@ -23,13 +23,15 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # AdamW's state per parameter: fp32 master 4 + bf16 copy 2 + fp32 m, v 8; bf16 p, m, v 6;
-# light adds the weight's lo, plus also v's lo; optimi's Kahan buffer is a bf16 lo of its
-# own; torchao keeps bf16 p, m, v (stochastic rounding needs no buffer)
+# light adds the weight's lo, plus also v's lo; exact an int16 remainder of p, m and v;
+# optimi's Kahan buffer is a bf16 lo of its own; torchao keeps bf16 p, m, v (stochastic
+# rounding needs no buffer)
 STATE_BYTES = {
     "fp32 master (16,32)": 14,
     "plain bf16": 6,
     "collage light": 8,
     "collage plus": 10,
+    "collage exact": 12,
     "eager Collage (ref)": 8,
     "optimi Kahan": 8,
     "torchao bf16 SR": 6,
@@ -66,7 +68,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
     # plain Inductor and both collage modes fuse the step into one kernel
     # (the fp32 step has a second graph: the copy into the bf16 model)
     assert rows["fp32 master (16,32)"]["kernels"] == 2
-    for name in ("plain bf16", "collage light", "collage plus"):
+    for name in ("plain bf16", "collage light", "collage plus", "collage exact"):
         assert rows[name]["kernels"] == 1, name
         assert rows[name]["compile_s"] > 0, name
     assert res["params"] == sum(torch.Size(s).numel() for s in _tiny_shapes())

@@ -40,15 +40,17 @@ def test_demo_writes_table_png_and_json_for_every_strategy(tmp_path, capsys):
         assert math.isfinite(r["final_train_loss"]) and math.isfinite(r["final_val_loss"])
         assert len(r["step_loss"]) == 12 and r["curve"]["step"] == [0, 6, 12]
         assert r["ms_per_step"] > 0
-    # measured from the tensors: bf16 p, m, v (6); + lo of p (8); + lo of v (10); the
-    # (16, 32) baseline 2 + 4 + 4 + 4 (step counters are a few bytes over all params)
-    for name, b in (("bf16", 6), ("collage-light", 8), ("collage-plus", 10), ("fp32-master", 14)):
+    # measured from the tensors: bf16 p, m, v (6); + lo of p (8); + lo of v (10); + a
+    # remainder of each (12); the (16, 32) baseline 2 + 4 + 4 + 4 (step counters are a few
+    # bytes over all params)
+    expected = {"bf16": 6, "collage-light": 8, "collage-plus": 10, "collage-exact": 12}
+    for name, b in {**expected, "fp32-master": 14}.items():
         assert b <= rows[name]["bytes_per_param"] < b + 0.05, name
     # every update is near a bf16 weight's half ulp: plain bf16 loses part of it, collage none
     assert rows["fp32-master"]["edq"] is None  # its masters' change is the intended update
     assert 0.5 < rows["fp32-master"]["edq_hi"] < 1.5  # measured on its bf16 copy
     assert rows["bf16"]["edq"] < 0.999
-    for name in ("collage-light", "collage-plus"):
+    for name in ("collage-light", "collage-plus", "collage-exact"):
         assert rows[name]["edq"] > 0.9999 > rows["bf16"]["edq"], name
 
 

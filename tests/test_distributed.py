@@ -227,10 +227,10 @@ def test_fsdp2_mixed_precision_leaves_fp32_alone():
 
 
 class _Run:
-    """A sharded model, its compiled plus-mode AdamW step and a sharded EMA of it, with
-    every lo attached to the state dicts that DCP saves."""
+    """A sharded model, its compiled plus-mode (or ``mode``) AdamW step and a sharded EMA of
+    it, with every lo attached to the state dicts that DCP saves."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "plus") -> None:
         import collage_compile
 
         self.model = _shard(_model())
@@ -239,7 +239,7 @@ class _Run:
         self.ema_params = list(self.ema.parameters())
         self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
         collage_compile.attach(self.opt, self.ema)
-        backend = collage_compile.make_backend(mode="plus")
+        backend = collage_compile.make_backend(mode=mode)
         self.step = torch.compile(self.opt.step, backend=backend)
         ema = self.ema_params
 
@@ -268,14 +268,14 @@ class _Run:
             for i, p in enumerate(ps):
                 hi, lo = collage_compile.components(p)
                 out[f"{prefix}{i}.hi"] = hi.full_tensor()
-                out[f"{prefix}{i}.lo"] = lo.full_tensor()
+                out[f"{prefix}{i}.lo"] = _gathered(lo)
         for i, p in enumerate(self.model.parameters()):
             for name, v in self.opt.state[p].items():
                 if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16:
                     hi, lo = collage_compile.components(v)
                     out[f"state{i}.{name}.hi"] = hi.full_tensor()
                     if lo is not None:  # plus mode pairs the second moment, not the first
-                        out[f"state{i}.{name}.lo"] = lo.full_tensor()
+                        out[f"state{i}.{name}.lo"] = _gathered(lo)
         return out
 
     def state_dict(self) -> dict:
@@ -296,7 +296,12 @@ class _Run:
         set_model_state_dict(self.ema, sd["ema"])
 
 
-def _dcp_save(rank: int, world: int, path: str, first: int, then: int) -> dict:
+def _gathered(lo: torch.Tensor) -> torch.Tensor:
+    # gloo gathers no int16: an exact remainder travels as its bits in a bf16 tensor
+    return lo.view(torch.bfloat16).full_tensor() if lo.dtype == torch.int16 else lo.full_tensor()
+
+
+def _dcp_save(rank: int, world: int, path: str, first: int, then: int, mode: str = "plus") -> dict:
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -305,7 +310,7 @@ def _dcp_save(rank: int, world: int, path: str, first: int, then: int) -> dict:
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
-        run = _Run()
+        run = _Run(mode)
         run.train(range(first))
         dcp.save(run.state_dict(), checkpoint_id=path)
         saved = run.tensors()
@@ -313,14 +318,16 @@ def _dcp_save(rank: int, world: int, path: str, first: int, then: int) -> dict:
         return {"saved": saved, "final": run.tensors()}
 
 
-def _dcp_resume(rank: int, world: int, path: str, first: int, then: int) -> dict:
+def _dcp_resume(
+    rank: int, world: int, path: str, first: int, then: int, mode: str = "plus"
+) -> dict:
     import warnings
 
     import collage_compile
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
-        run = _Run()
+        run = _Run(mode)
         run.train(range(1))  # a run that already holds pairs and state of its own
         run.load(path)
         loaded = run.tensors()
@@ -354,6 +361,74 @@ def test_dcp_resume_is_bit_identical_and_reshards(tmp_path):
         f"DCP: {len(los)} lo tensors; 2 -> 2 resumed bit-identically for {then} steps, "
         f"2 -> 1 and 1 -> 2 loaded bit-identically"
     )
+
+
+def test_dcp_resume_of_exact_remainders_is_bit_identical_and_reshards(tmp_path):
+    """Exact mode: every remainder (int16, saved as bf16 bits) through DCP, 2 -> 2 and 2 -> 1."""
+    first, then = 3, 3
+    two = str(tmp_path / "two")
+    saved = run_ranks(_dcp_save, 2, two, first, then, "exact")[0]
+    los = [k for k in saved["saved"] if k.endswith(".lo")]
+    assert any(k.startswith("state") for k in los) and all(saved["saved"][k].any() for k in los)
+    same_world = run_ranks(_dcp_resume, 2, two, first, then, "exact")[0]
+    assert _same(saved["saved"], same_world["loaded"]) == []
+    assert _same(saved["final"], same_world["final"]) == []
+    one = run_ranks(_dcp_resume, 1, two, first, 0, "exact")[0]
+    assert _same(saved["saved"], one["loaded"]) == []
+
+
+def _fsdp_exact(rank: int, world: int) -> dict[str, bool]:
+    """FSDP2 on this rank's shards (uneven): the exact step is the fp32 step, bit for bit,
+    fed the same reduce-scattered gradients; light mode on the same stream is not."""
+    import warnings
+
+    from torch._functorch import config as functorch_config
+
+    import collage_compile
+
+    model = _shard(_model())
+    ref = _shard(_model().float())  # the same (bf16) values, fp32 parameters
+    light = _shard(_model())
+    runs = {}
+    for name, m, backend in (
+        ("exact", model, collage_compile.make_backend(mode="exact")),
+        ("fp32", ref, "inductor"),
+        ("light", light, collage_compile.make_backend(mode="light")),
+    ):
+        opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD, foreach=True)
+        runs[name] = (list(m.parameters()), torch.compile(opt.step, backend=backend))
+    functorch_config.enable_autograd_cache = False  # pytorch#188390 (see _train_fsdp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for i in range(STEPS):
+            model(_batch(i, rank)).float().pow(2).mean().backward()
+            grads = [p.grad for p in model.parameters()]
+            for params, step in runs.values():
+                for p, g in zip(params, grads):
+                    p.grad = g.to(p.dtype)
+                step()
+            for params, _ in runs.values():
+                for p in params:
+                    p.grad = None
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return _local(t).detach().view(torch.int32)
+
+    pairs = list(zip(runs["exact"][0], runs["fp32"][0], runs["light"][0]))
+    return {
+        "exact": all(torch.equal(bits(collage_compile.value(p)), bits(q)) for p, q, _ in pairs),
+        "light": all(torch.equal(bits(collage_compile.value(r)), bits(q)) for _, q, r in pairs),
+        "remainders": all(
+            collage_compile.components(p)[1].dtype == torch.int16
+            and type(collage_compile.components(p)[1]).__name__ == "DTensor"
+            for p, _, _ in pairs
+        ),
+    }
+
+
+def test_fsdp2_exact_step_is_the_fp32_step_bit_for_bit():
+    for r in run_ranks(_fsdp_exact, 2):
+        assert r == {"exact": True, "light": False, "remainders": True}
 
 
 # ------------------------------------------------------------------------------------ DDP

@@ -51,6 +51,8 @@ CASES = {
     "adamw-light": (_adamw, {}),
     "adamw-plus": (_adamw, {"mode": "plus"}),
     "adamw-plus-single": (_adamw_single, {"mode": "plus"}),
+    # exact: int16 remainders joined into fp32 and split back, integer ops on bit patterns
+    "adamw-exact": (_adamw, {"mode": "exact"}),
 }
 
 # metrics=True: each parameter's chain stays inline and feeds its metrics' sums, per-tensor
