@@ -8,7 +8,8 @@ biases) is trained with a stock ``torch.optim.AdamW`` under a warmup + cosine ``
 stepped every step (``--schedule constant`` for a fixed lr), five ways:
 
 ================  ==========================================================================
-``fp32-master``   bf16 model, fp32 master weights and fp32 AdamW state: the (16, 32) baseline
+``fp32-master``   bf16 model, fp32 master weights and fp32 AdamW state: the (16, 32) baseline,
+                  its step compiled (plain Inductor's arithmetic; a changing lr stays an input)
 ``bf16``          bf16 weights and state, plain arithmetic (``make_backend(mode="off")``)
 ``collage-light`` bf16 weights and state, parameter updates carried as (hi, lo) pairs
 ``collage-plus``  also AdamW's second moment as a pair (β2 = 0.999 rounds to 1 in bf16)
@@ -186,7 +187,7 @@ class Settings:
 def lr_factor(s: Settings) -> Callable[[int], float]:
     """The learning rate's multiplier at each step: a linear warmup to the peak over
     ``warmup`` steps (starting at 1/warmup, like LinearLR, not at 0: the fp32-master
-    baseline is plain Inductor, whose compiled AdamW writes NaN at lr = 0), then a cosine
+    baseline computes as plain Inductor, whose compiled AdamW writes NaN at lr = 0), then a cosine
     decay to a tenth of the peak ("cosine"), or the peak throughout ("constant")."""
 
     def factor(step: int) -> float:
@@ -240,10 +241,12 @@ class Strategy:
 def fp32_master(params: dict[str, torch.Tensor], s: Settings) -> Strategy:
     """(16, 32): fp32 copies are what AdamW updates (fp32 m and v); the bf16 model only
     runs forward and backward, and gets the rounded masters after every step.  Its step is
-    compiled with plain Inductor, as a user would."""
+    compiled with the backend in ``mode="off"``, which on fp32 tensors is plain Inductor's
+    arithmetic with the scheduled lr kept a graph input: plain Inductor itself recompiles
+    for every lr and runs the step eagerly from its eighth value on."""
     masters = {k: p.detach().float().requires_grad_() for k, p in params.items()}
     opt = torch.optim.AdamW(param_groups(masters, s.weight_decay), **_adamw(s))
-    compiled = torch.compile(opt.step, backend="inductor")
+    compiled = torch.compile(opt.step, backend=collage_compile.make_backend(mode="off"))
     model_p, master_p = list(params.values()), list(masters.values())
 
     def step() -> None:

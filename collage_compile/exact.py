@@ -204,7 +204,8 @@ def _measure(
         out = next(n for n in graph.nodes if n.op == "output")
         with graph.inserting_before(out):
             new = proxy(value)
-            new_hi, _ = remainder.split(new, acc.dtype)
+            shift = not _compat.is_dtensor(acc.example)
+            new_hi, _ = remainder.split(new, acc.dtype, shift=shift)
             new_hi = new_hi.float()
             sums = metrics.step_sums(old_hi, old_lo, new_hi, new - new_hi, delta)
         measured.append((acc, sums.node))

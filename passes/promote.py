@@ -227,7 +227,7 @@ class _Walk:
                 if t.rem is None:
                     self.proxy(t.nodes[0]).copy_(value)  # rounded, as its dtype asks
                     continue
-                hi, rem = remainder.split(value, self.low_of(t))
+                hi, rem = remainder.split(value, self.low_of(t), shift=self.shifts(t.nodes[0]))
                 self.proxy(t.nodes[0]).copy_(hi)
                 self.proxy(t.rem).copy_(rem)
             for i in self.written_back:
@@ -246,13 +246,18 @@ class _Walk:
             # backend's wrapper to pair with it
             with self.graph.inserting_before(node):
                 if self.low[a] == torch.bfloat16:
-                    hi, rem = remainder.split(self.proxy(a))
+                    hi, rem = remainder.split(self.proxy(a), shift=self.shifts(a))
                     outputs[k] = hi.node
                     rems.append(rem.node)
                     self.new_state.append(k)
                 else:
                     outputs[k] = self.graph.call_method("to", (a, self.low[a]))
         node.args = ((*outputs, *rems),)
+
+    @staticmethod
+    def shifts(node: fx.Node) -> bool:
+        """Whether the split may use ``>>`` (not on a DTensor: :func:`remainder.split`)."""
+        return not _compat.is_dtensor(_compat.example_value(node))
 
     def low_of(self, t: Promoted) -> torch.dtype:
         return _dtype_of(_compat.example_value(t.nodes[0]))

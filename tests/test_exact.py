@@ -28,7 +28,7 @@ import torch._dynamo.testing
 from test_all_optimizers import schedule
 
 import collage_compile
-from collage_compile import _compat, remainder
+from collage_compile import _compat
 from collage_compile.passes import scalars
 
 STEPS = 200
@@ -123,8 +123,9 @@ def _stream(seed: int = 0) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]
     return init, grads
 
 
-def _train(case, init, grads, dtype, backend):
-    """Train copies of ``init`` in ``dtype`` on the stream; ``backend`` None: eagerly."""
+def _train(case, init, grads, dtype, backend, after_step=None):
+    """Train copies of ``init`` in ``dtype`` on the stream; ``backend`` None: eagerly;
+    ``after_step(params, opt)`` after every step."""
     cls, kwargs, foreach, scheduled = CASES[case]
     _compat.reset_dynamo()
     params = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in init]
@@ -135,9 +136,33 @@ def _train(case, init, grads, dtype, backend):
         for p, grad in zip(params, step_grads):
             p.grad = grad.to(dtype)
         step()
+        if after_step is not None:
+            after_step(params, opt)
         if scheduled:
             schedule(opt.param_groups[0], initial, k, len(grads))
     return params, opt
+
+
+class _Ties:
+    """Where an fp32 run's weights or state ever sat exactly half-way above an even bf16
+    value: the one fp32 value a remainder cannot hold (test_remainder), kept one ulp below
+    by exact mode, whose later steps at that element then start from there.  Element-wise
+    optimizers keep it to that element."""
+
+    def __init__(self):
+        self.masks: list[torch.Tensor] | None = None
+
+    def __call__(self, params, opt):
+        if self.masks is None:
+            self.masks = [torch.zeros(p.shape, dtype=torch.bool) for p in params]
+        for mask, p in zip(self.masks, params):
+            for t in [p, *opt.state[p].values()]:
+                if torch.is_tensor(t) and t.dtype == torch.float32 and t.shape == p.shape:
+                    bits = _bits(t)
+                    mask |= (bits & 0xFFFF == 0x8000) & ((bits >> 16) & 1 == 0)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([m.flatten() for m in self.masks])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +180,7 @@ def _state_values(opt, params):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_exact_mode_is_the_fp32_step_bit_for_bit(case):
+def test_exact_mode_is_the_fp32_step_bit_for_bit_but_at_ties(case):
     init, grads = _stream()
     capture = case == "Adafactor"
     with torch._dynamo.config.patch(capture_scalar_outputs=capture), warnings.catch_warnings():
@@ -163,7 +188,8 @@ def test_exact_mode_is_the_fp32_step_bit_for_bit(case):
         exact, exact_opt = _train(
             case, init, grads, torch.bfloat16, collage_compile.make_backend(mode="exact")
         )
-        fp32, fp32_opt = _train(case, init, grads, torch.float32, _plain_with_scalars)
+        ties = _Ties()
+        fp32, fp32_opt = _train(case, init, grads, torch.float32, _plain_with_scalars, ties)
         light, _ = _train(
             case, init, grads, torch.bfloat16, collage_compile.make_backend(mode="light")
         )
@@ -180,8 +206,8 @@ def test_exact_mode_is_the_fp32_step_bit_for_bit(case):
     else:
         # the fp32 value the pair holds, hi (what the forward pass reads) and every state
         # tensor, bit for bit
-        ties = _assert_bit_for_bit(exact, exact_opt, fp32, fp32_opt)
-        print(f"{case:22s} bit for bit; {ties} weights exactly half-way above an even bf16")
+        n = _assert_bit_for_bit(exact, exact_opt, fp32, fp32_opt, ties.flat())
+        print(f"{case:22s} bit for bit but {n} elements once exactly half-way above an even bf16")
 
     light_value = torch.cat([collage_compile.value(p).flatten() for p in light])
     assert not torch.equal(_bits(light_value), _bits(target)), "light mode matched fp32 bit for bit"
@@ -195,17 +221,23 @@ def test_exact_mode_is_the_fp32_step_bit_for_bit(case):
     assert plain_err > 100 * max(eager_err, 1e-5)
 
 
-def _assert_bit_for_bit(exact, exact_opt, fp32, fp32_opt) -> int:
+def _assert_bit_for_bit(exact, exact_opt, fp32, fp32_opt, ties) -> int:
+    """The fp32 values the weights and state hold and the bf16 weights (what the forward
+    pass reads, the fp32 weights' cast) equal the fp32 run's bit for bit, but at elements
+    that were once at a tie, where they are a few fp32 ulps apart."""
     value = torch.cat([collage_compile.value(p).flatten() for p in exact])
     target = torch.cat([p.detach().flatten() for p in fp32])
     hi = torch.cat([p.detach().flatten() for p in exact])
-    assert torch.equal(_bits(value), _bits(target))
-    assert torch.equal(_bits(hi), _bits(remainder.split(target)[0]))
-    # hi is the fp32 weights' cast but at exact ties above an even value (test_remainder)
     cast = target.to(torch.bfloat16)
-    ties = (_bits(target) & 0xFFFF == 0x8000) & (_bits(cast) == _bits(target) >> 16)
+    assert torch.equal(_bits(value)[~ties], _bits(target)[~ties])
     assert torch.equal(_bits(hi)[~ties], _bits(cast)[~ties])
+    ulps = (_bits(value)[ties].long() - _bits(target)[ties].long()).abs()
+    assert ulps.numel() == 0 or int(ulps.max()) <= 8
+    sizes = [p.numel() for p in exact]
     pairs = zip(_state_values(exact_opt, exact), _state_values(fp32_opt, fp32))
     for (name, v), (ref_name, r) in pairs:
-        assert name == ref_name and torch.equal(_bits(v.float()), _bits(r.float())), name
+        assert name == ref_name, name
+        off = ties.split(sizes)[[p.numel() for p in exact].index(v.numel())].view(v.shape)
+        v, r = _bits(v.float()), _bits(r.float())
+        assert torch.equal(v[~off], r[~off]), name
     return int(ties.sum())
