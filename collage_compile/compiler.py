@@ -6,6 +6,8 @@
       -> find accumulators        accumulators.GraphInfo
       -> match their writes       passes (pattern families)
       -> keep what the mode asks  modes.select (parameters, EMAs, decays, everything)
+                                  (mode="exact": exact.compile_exact, which computes on the
+                                  fp32 values a bf16 tensor and its remainder hold instead)
       -> rewrite each into MCF    rewrite.plan_chains / emit
       -> attach lo state          rewrite.add_lo_inputs + a wrapper that passes lo tensors
       -> hand to Inductor         _compat.compile_with_inductor (roundings are fp32

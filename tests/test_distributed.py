@@ -382,7 +382,9 @@ def test_dcp_resume_of_exact_remainders_is_bit_identical_and_reshards(tmp_path):
 
 def _fsdp_exact(rank: int, world: int) -> dict[str, bool]:
     """FSDP2 on this rank's shards (uneven): the exact step is the fp32 step, bit for bit,
-    fed the same reduce-scattered gradients; light mode on the same stream is not."""
+    fed the same reduce-scattered gradients; light mode on the same stream is not.  (No
+    element of this stream reaches the one fp32 value a remainder holds one ulp low, a tie
+    above an even bf16 value: tests/test_exact.py tracks those where they occur.)"""
     import warnings
 
     from torch._functorch import config as functorch_config
