@@ -354,10 +354,12 @@ def _swap(old: torch.Tensor, new: torch.Tensor) -> None:
     for key, (ref, lo) in list(_by_view.items()):
         if lo is old:
             _by_view[key] = (ref, new)
-    recorded = _stamps.get(id(old))
+    recorded = _stamps.pop(id(old), None)
+    version = _versions.pop(id(old), None)
     if recorded is not None and recorded.lo() is old:
+        # the old lo may live on (a graph's cached list): nothing is checked through it now
         _stamps[id(new)] = _Stamp(_lo_ref(new), *recorded[1:])
-        _versions[id(new)] = _versions.get(id(old))
+        _versions[id(new)] = version
 
 
 def _register(t: torch.Tensor, lo: torch.Tensor) -> None:

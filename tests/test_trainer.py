@@ -73,9 +73,12 @@ def _train(base, dtype, callbacks, out_dir):
     return model, trainer
 
 
-# the largest distance to the fp32-master run each mode may keep: light, a pair's 16 bits;
-# exact, the fp32 step, compiled where the Trainer's fp32 AdamW is fused eager code
-BOUND = {"light": 0.03, "exact": 1e-3}
+# the largest distance to the fp32 run each mode may keep.  That run's forward and backward
+# are fp32 too, so its gradients are not the bf16 model's: exact mode (the fp32 step on the
+# bf16 model's gradients) ends as far from it as light, 5.8e-3 and 6.2e-3 measured; what
+# this shows for exact is the Trainer path (the option reaches the step, lr = 0 at the
+# warmup's start writes no NaN), tests/test_exact.py the arithmetic
+BOUND = {"light": 0.03, "exact": 0.03}
 
 
 @pytest.mark.parametrize("mode", list(BOUND))
