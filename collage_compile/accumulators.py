@@ -291,13 +291,7 @@ class GraphInfo:
         key = storage_key(value)
         accs = self._by_storage.get(key, []) if key is not None else []
         for acc in accs:
-            ex = acc.example
-            if (
-                value.shape == ex.shape
-                and value.stride() == ex.stride()
-                and value.storage_offset() == ex.storage_offset()
-                and value.dtype == ex.dtype
-            ):
+            if same_view(value, acc.example):
                 return [(acc, True)]
         return [(acc, False) for acc in accs]
 
@@ -379,6 +373,16 @@ def readable_name(node: fx.Node) -> str:
     from collage_compile import names
 
     return names.source_name(node)
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (fake or real) tensors on one storage are the same view of it."""
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+    )
 
 
 def storage_key(value: Any) -> Any:

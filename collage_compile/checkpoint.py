@@ -263,8 +263,8 @@ def set_value(t: torch.Tensor, value: torch.Tensor, exact: bool = False) -> None
     """
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: set_value needs a bf16/fp16 tensor, got {t.dtype}")
-    if exact and t.dtype != torch.bfloat16:
-        raise TypeError(state._no_exact_fp16(t, ""))
+    if exact:
+        state.check_exact_dtype(t)
     with torch.no_grad():
         src = value.detach().to(t.device)
         if exact:

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat, metrics, names, remainder, report, rewrite, state, watch
-from collage_compile.accumulators import Accumulator, Element, GraphInfo, Site
+from collage_compile.accumulators import Accumulator, Element, GraphInfo, Site, same_view
 from collage_compile.config import CollageConfig
 from collage_compile.passes import promote, scalars, step_size
 
@@ -60,8 +60,7 @@ def compile_exact(
     grads = [a for a in info.accumulators if _compat.is_gradient_input(a.node)]
     groups, left = _choose(info, set(grads))
     for acc in [a for g in groups for a in g]:
-        if acc.dtype != torch.bfloat16:
-            raise TypeError(state._no_exact_fp16(acc.example, acc.describe()))
+        state.check_exact_dtype(acc.example, acc.describe())
     upgraded = [g[0] for g in groups]
     chained = {a for g in groups for a in g}
     claimed = {w: s for w, s in sites.items() if w.acc in chained}
@@ -117,7 +116,7 @@ def _choose(
             continue
         same = info.aliases(acc)
         seen.update(same)
-        if all(_same_view(a.example, acc.example) for a in same):
+        if all(same_view(a.example, acc.example) for a in same):
             groups.append([acc, *[a for a in same if a is not acc]])
             continue
         for a in same:
@@ -130,15 +129,6 @@ def _choose(
                 )
                 left.append(a)
     return groups, left
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and a.dtype == b.dtype
-    )
 
 
 def _report(

@@ -35,6 +35,7 @@ from collage_compile.mcf import LOW_PRECISION
 
 __all__ = [
     "check",
+    "check_exact_dtype",
     "clear",
     "components",
     "empty_lo",
@@ -257,8 +258,8 @@ def lo_for(
         return _of_kind(t, _replace(t, lo.to(t.device)), exact, name)
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
-    if exact and t.dtype != torch.bfloat16:
-        raise TypeError(_no_exact_fp16(t, name))
+    if exact:
+        check_exact_dtype(t, name)
     dtype = remainder.DTYPE if exact else None
     if by_view:
         lo = _exact_alias_lo(t)
@@ -282,9 +283,12 @@ def lo_for(
     return _of_kind(t, lo, exact, name)
 
 
-def _no_exact_fp16(t: torch.Tensor, name: str) -> str:
+def check_exact_dtype(t: torch.Tensor, name: str = "") -> None:
+    """Raise a TypeError naming ``t`` unless it is bf16, the one dtype a remainder holds."""
+    if t.dtype == torch.bfloat16:
+        return
     what = name or f"a tensor of shape {tuple(t.shape)}"
-    return (
+    raise TypeError(
         f"collage: mode='exact' holds bf16 tensors only, and {what} is "
         f"{str(t.dtype).replace('torch.', '')}: fp16 has 5 exponent bits where fp32 has 8, so "
         "no 16-bit remainder makes an fp16 value exact (docs/numerics.md).  Train it in bf16, "
@@ -307,8 +311,8 @@ def _convert(t: torch.Tensor, lo: torch.Tensor, exact: bool, name: str) -> torch
     share hi's sign or binade (hi = 0 under a tiny lo) it keeps 0 (the value is hi).  From
     a remainder: lo is the fp32 value less hi, rounded to the tensor's dtype (what a pair
     holds)."""
-    if exact and t.dtype != torch.bfloat16:
-        raise TypeError(_no_exact_fp16(t, name))
+    if exact:
+        check_exact_dtype(t, name)
     new = as_remainder(t, lo) if exact else as_pair(t, lo)
     with _lock:
         _swap(lo, new)
@@ -410,8 +414,8 @@ def set_lo(t: torch.Tensor, lo: torch.Tensor) -> None:
     if lo.shape != t.shape:
         raise ValueError(f"collage: lo of shape {tuple(lo.shape)} for a tensor {tuple(t.shape)}")
     exact = is_remainder(lo)
-    if exact and t.dtype != torch.bfloat16:
-        raise TypeError(_no_exact_fp16(t, ""))
+    if exact:
+        check_exact_dtype(t)
     with torch.no_grad():
         new = empty_lo(t, lo.dtype if exact else None).copy_(lo)
     with _lock:
