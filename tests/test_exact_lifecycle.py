@@ -183,6 +183,21 @@ def test_an_ema_of_exact_weights_is_the_fp32_ema_of_the_fp32_weights():
         runs[dtype] = [collage_compile.value(e) if dtype == torch.bfloat16 else e for e in ema]
     for a, b in zip(runs[torch.bfloat16], runs[torch.float32]):
         assert torch.equal(_bits(a), _bits(b))
+    # the same EMA in plain bf16, of the fp32 run's weights cast, hardly moves at d = 0.999
+    start = [p.detach().float() for p in _model(torch.bfloat16).parameters()]
+    moved = sum(float((b - s).norm() ** 2) for b, s in zip(runs[torch.float32], start)) ** 0.5
+    plain = [s.to(torch.bfloat16) for s in start]
+    torch._dynamo.reset()
+    model = _model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    for k in range(30):
+        _grads(model, k)
+        opt.step()
+        for e, p in zip(plain, model.parameters()):
+            e.lerp_(p.detach().to(torch.bfloat16), 0.001)
+    plain_err = sum(float((e.float() - b).norm() ** 2) for e, b in zip(plain, runs[torch.float32]))
+    print(f"plain bf16 EMA {plain_err**0.5 / moved:.2f} of its movement")
+    assert plain_err**0.5 > 0.5 * moved
 
 
 def test_metrics_and_explain_describe_an_exact_step():
@@ -213,6 +228,8 @@ def test_a_hand_written_step_pairs_the_tensors_it_is_passed():
     """Tensors passed in (not attributes): their remainders are registered by view."""
     ps = [torch.randn(64).to(torch.bfloat16) for _ in range(2)]
     ref = [p.float() for p in ps]
+    plain = [p.clone() for p in ps]
+    plain_end = [p.clone() for p in ps]
 
     def sgd(params, grads, lr):
         for p, g in zip(params, grads):
@@ -225,6 +242,13 @@ def test_a_hand_written_step_pairs_the_tensors_it_is_passed():
         grads = [(1e-3 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in ps]
         step(ps, grads, 1e-2)
         step32(ref, [x.float() for x in grads], 1e-2)
+        sgd(plain_end, grads, 1e-2)
+    start = [p.float() for p in plain]
     for p, r in zip(ps, ref):
         assert torch.equal(_bits(collage_compile.value(p)), _bits(r))
         assert not torch.equal(_bits(p.float()), _bits(r))
+    # plain bf16 on the same stream keeps little of its updates (about 1e-5 against 1)
+    moved = sum(float((r - s).norm() ** 2) for r, s in zip(ref, start)) ** 0.5
+    err = sum(float((q.float() - r).norm() ** 2) for q, r in zip(plain_end, ref)) ** 0.5
+    print(f"plain bf16 hand-written SGD {err / moved:.2f} of its movement")
+    assert err > 0.5 * moved
