@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grad_stream, mcf_value, relative_error
+from conftest import (
+    GraphCapture,
+    grad_stream,
+    mcf_value,
+    readable_with_chains,
+    relative_error,
+)
 
 import collage_compile
 from collage_compile import _compat, fuse
@@ -18,9 +24,11 @@ from collage_compile import _compat, fuse
 
 def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", steps: int = 40):
     """The same AdamW stream through collage (``mode``) or plain Inductor (``mode=None``),
-    compiled, with its float64 reference."""
+    compiled, with its float64 reference and the number of ``collage::chain`` nodes in the
+    graphs handed to Inductor."""
     if not outline:
         monkeypatch.setattr(fuse, "outline", lambda *a, **k: False)
+    capture = GraphCapture(monkeypatch)
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (32,), (48, 16)]
     ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).bfloat16()) for s in shapes]
@@ -30,59 +38,94 @@ def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", st
     ref_opt = torch.optim.AdamW(refs, lr=1e-4, weight_decay=0.01)
     backend = "inductor" if mode is None else collage_compile.make_backend(mode=mode)
     step = torch.compile(opt.step, backend=backend)
+    # each gradient a tensor of its own: a view's sizes reach the backend as SymInts, and a
+    # chain reading it (the second moment's) then stays inline (fuse._concrete_tensor)
     streams = [
-        grad_stream(p.numel(), steps, seed=i + 1, mean=0.0, std=0.01) for i, p in enumerate(ps)
+        [
+            x.view(p.shape).clone()
+            for x in grad_stream(p.numel(), steps, seed=i + 1, std=0.01, mean=0.0)
+        ]
+        for i, p in enumerate(ps)
     ]
     for t in range(steps):
         for p, r, s in zip(ps, refs, streams):
-            p.grad = s[t].view(p.shape)
-            r.grad = s[t].view(p.shape).double()
+            p.grad = s[t]
+            r.grad = s[t].double()
         step()
         ref_opt.step()
-    return ps, refs, start
+    chains = sum(t.count("torch.ops.collage.chain.default(") for t in capture.graphs)
+    return ps, refs, start, chains
 
 
 @pytest.mark.parametrize("foreach", [True, False])
 def test_outlined_chains_compute_bit_for_bit_what_inline_chains_compute(monkeypatch, foreach):
-    outlined, refs, start = _adamw_run(True, monkeypatch, foreach)
+    outlined, refs, start, chains = _adamw_run(True, monkeypatch, foreach)
     his = [p.detach().clone() for p in outlined]
     los = [collage_compile.components(p)[1].clone() for p in outlined]
     torch._dynamo.reset()
     with monkeypatch.context() as m:
-        inline, _, _ = _adamw_run(False, m, foreach)
+        inline, _, _, inline_chains = _adamw_run(False, m, foreach)
+    # the two runs really took the two paths: plus outlines the weight and the second
+    # moment of each of the 3 parameters, and the patched run kept every chain inline
+    assert (chains, inline_chains) == (6, 0), "collage::chain nodes (outlined, inline runs)"
     for p, hi, lo in zip(inline, his, los):
         assert torch.equal(p.detach(), hi)
         assert torch.equal(collage_compile.components(p)[1], lo)
     # and the pair carries what a real plain bf16 run of the same stream loses
     torch._dynamo.reset()
-    plain, _, _ = _adamw_run(True, monkeypatch, foreach, mode=None)
+    plain, _, _, _ = _adamw_run(True, monkeypatch, foreach, mode=None)
     for p, q, r, s in zip(outlined, plain, refs, start):
         err = relative_error(mcf_value(p), r.detach(), s)
         plain_err = relative_error(q.detach().double(), r.detach(), s)
         assert err < plain_err / 10, (err, plain_err)
 
 
-def test_each_chain_is_one_node_and_its_eager_op_matches(capture):
-    g = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in [(8, 4), (4,)]]
-    for p in ps:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
-    torch.compile(opt.step, backend=collage_compile.make_backend(mode="plus"))()
-    (text,) = capture.graphs
-    # plus: the weight and the second moment of each parameter
-    assert text.count("torch.ops.collage.chain.default(") == 4
-    assert "65536.0" not in text.split("class chain_0")[0]  # no inline MCF arithmetic left
+def _eager_plus_adamw(monkeypatch, outline: bool) -> tuple[list[torch.Tensor], str]:
+    """Three plus-mode AdamW steps (foreach) whose rewritten graph runs eagerly, op by op,
+    where Inductor would compile it: (each weight's and second moment's hi and lo after
+    them, the rewritten graph as text)."""
+    graphs = []
 
-    # the op run eagerly (any backend but Inductor) is the same aten arithmetic
-    key = next(k for k in fuse._GRAPHS)
-    gm = fuse.chain_graph(key)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    args = [torch.randn(n.meta["val"].shape).to(n.meta["val"].dtype) for n in placeholders]
-    eager = torch.ops.collage.chain(key, args)
-    direct = gm(*args)
-    for a, b in zip(eager, direct):
-        assert torch.equal(a, b)
+    def eager(gm, example_inputs, config_patches=None):
+        graphs.append(readable_with_chains(gm))
+        return gm.forward
+
+    with monkeypatch.context() as m:
+        m.setattr(_compat, "compile_with_inductor", eager)
+        if not outline:
+            m.setattr(fuse, "outline", lambda *a, **k: False)
+        torch._dynamo.reset()
+        g = torch.Generator().manual_seed(0)
+        shapes = [(8, 4), (4,)]
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
+        opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+        step = torch.compile(opt.step, backend=collage_compile.make_backend(mode="plus"))
+        for _ in range(3):
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
+            step()
+    tensors = [t for p in ps for t in (p, opt.state[p]["exp_avg_sq"])]
+    pairs = [x.detach().clone() for t in tensors for x in collage_compile.components(t)]
+    (text,) = graphs
+    return pairs, text
+
+
+def test_each_chain_is_one_node_whose_eager_op_computes_what_the_inline_nodes_compute(
+    monkeypatch,
+):
+    """Run eagerly (any backend but Inductor), the ``collage::chain`` op executes its traced
+    aten graph (Inductor's decompositions applied); the inline nodes it replaced execute as
+    the torch ops the rewrite emitted.  Two code paths, the same bits over three steps."""
+    outlined, text = _eager_plus_adamw(monkeypatch, outline=True)
+    inline, inline_text = _eager_plus_adamw(monkeypatch, outline=False)
+    # plus: the weight and the second moment of each parameter
+    assert text.count("torch.ops.collage.chain.default(") == 4, "chains outlined"
+    assert "65536.0" not in text.split("class chain_0")[0]  # no inline MCF arithmetic left
+    assert "collage.chain" not in inline_text and "65536.0" in inline_text
+    names = [f"{t}{i} {part}" for i in range(2) for t in ("weight", "v") for part in ("hi", "lo")]
+    for name, a, b in zip(names, outlined, inline):
+        assert torch.equal(a, b), f"{name}: the eager op differs from the inline nodes"
+    assert all(lo.any() for lo in outlined[1::2])  # every lo carries something
 
 
 def test_a_chain_autograd_would_record_stays_inline():
