@@ -51,13 +51,20 @@ def test_plus_mode_second_moment_tracks_the_float64_ema(foreach, monkeypatch):
     assert abs(light - 1) >= 0.05
 
 
-def _adamw_report(mode: str, amsgrad: bool = False) -> list[report.Entry]:
+def _adamw_report(mode: str, amsgrad: bool = False) -> tuple[list[report.Entry], dict]:
+    """One compiled AdamW step in ``mode``: (its graph's report entries, which of the weight
+    and each state tensor carry a lo that holds something afterwards)."""
     p = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
     opt = torch.optim.AdamW([p], lr=1e-3, amsgrad=amsgrad, foreach=False)
     p.grad = torch.full_like(p, 0.01)
     torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))()
     (rep,) = report.reports()[-1:]
-    return rep.entries
+    tensors = {"weight": p, **opt.state[p]}
+    carried = {}
+    for name, t in tensors.items():
+        lo = collage_compile.components(t)[1]
+        carried[name] = lo is not None and bool(lo.any())
+    return rep.entries, carried
 
 
 def _entry(entries, name: str, pattern_prefix: str = "") -> report.Entry:
@@ -67,11 +74,16 @@ def _entry(entries, name: str, pattern_prefix: str = "") -> report.Entry:
 
 
 def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
+    """What the report says is what the step did: each tensor it calls upgraded carries a
+    lo that holds something after one step (one step of 1e-3 on weights ~1, a first moment
+    of 1e-3, a second moment of 1e-7: none is a bf16 number), and each it left has none."""
     # Dynamo names AdamW's state by key order: [0] step, [1] exp_avg, [2] exp_avg_sq, [3] max
-    light = _adamw_report("light")
-    plus = _adamw_report("plus", amsgrad=True)
-    every = _adamw_report("all", amsgrad=True)
-    assert all(e.applied for e in light if e.role == "param")
+    light, light_lo = _adamw_report("light")
+    plus, plus_lo = _adamw_report("plus", amsgrad=True)
+    every, every_lo = _adamw_report("all", amsgrad=True)
+    for entries in (light, plus, every):
+        weight = [e for e in entries if e.role == "param"]  # its mul_ and its addcdiv_
+        assert [(e.name, e.applied) for e in weight] == [("param_groups[0].params[0]", True)] * 2
     assert not _entry(light, "state[0][2]").applied  # exp_avg_sq
     assert "mode='light'" in _entry(light, "state[0][2]").reason
     assert _entry(plus, "state[0][2]").applied
@@ -83,6 +95,16 @@ def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
         assert not maximum.applied and "not an accumulation" in maximum.reason
         step = _entry(entries, "state[0][0]")
         assert not step.applied and "float32 is not low precision" in step.reason
+    # the tensors themselves: a lo holding something where the report says upgraded
+    assert light_lo == {"weight": True, "step": False, "exp_avg": False, "exp_avg_sq": False}
+    assert plus_lo == {
+        "weight": True,
+        "step": False,
+        "exp_avg": False,
+        "exp_avg_sq": True,
+        "max_exp_avg_sq": False,
+    }
+    assert every_lo == {**plus_lo, "exp_avg": True}
     print(report.reports()[-1].format())
 
 
