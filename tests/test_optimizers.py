@@ -116,29 +116,46 @@ def test_adamw_follows_a_float64_adamw_fed_the_same_grads(foreach):
     """lr=1e-5, weight_decay=0.01, 150 steps, weights N(0,1): the issue's AdamW criterion.
 
     Here the float64 AdamW keeps its own float64 state (nothing is copied in), so this also
-    measures what bf16 optimizer state costs in light mode.
+    measures what bf16 optimizer state costs in light mode.  The same stream through AdamW
+    in plain bf16 (eagerly) must miss the float64 run's movement, so a compensation that
+    became a no-op fails.
     """
     torch.manual_seed(0)
     params = _params(3, 1.0, torch.bfloat16)
     ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
     start = [p.detach().double().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=foreach)
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
+    plain_opt = torch.optim.AdamW(plain, lr=1e-5, weight_decay=0.01, foreach=foreach)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     g = torch.Generator().manual_seed(4)
     for _ in range(150):
-        for p, r in zip(params, ref):
+        for p, r, q in zip(params, ref, plain):
             grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
-            p.grad, r.grad = grad, grad.double()
+            p.grad, r.grad, q.grad = grad, grad.double(), grad.clone()
         step()
         ref_opt.step()
-    d = torch.cat([(mcf_value(p) - s).flatten() for p, s in zip(params, start)])
+        plain_opt.step()
     d_ref = torch.cat([(r.detach() - s).flatten() for r, s in zip(ref, start)])
-    cos = torch.nn.functional.cosine_similarity(d, d_ref, dim=0).item()
-    ratio = (d.norm() / d_ref.norm()).item()
-    print(f"AdamW foreach={foreach}: cosine {cos:.5f}, norm ratio {ratio:.4f}")
-    assert cos >= 0.99
-    assert abs(ratio - 1) <= 0.05
+
+    def follows(values):
+        d = torch.cat([(v - s).flatten() for v, s in zip(values, start)])
+        cos = torch.nn.functional.cosine_similarity(d, d_ref, dim=0).item()
+        return cos, (d.norm() / d_ref.norm()).item(), ((d - d_ref).norm() / d_ref.norm()).item()
+
+    cos, ratio, err = follows([mcf_value(p) for p in params])
+    plain_cos, plain_ratio, plain_err = follows([q.detach().double() for q in plain])
+    print(
+        f"AdamW foreach={foreach}: collage cosine {cos:.5f}, norm ratio {ratio:.4f}, "
+        f"error {err:.3f}; plain bf16 cosine {plain_cos:.4f}, norm ratio {plain_ratio:.4f}, "
+        f"error {plain_err:.3f}"
+    )
+    # measured (both variants): collage cosine 0.9996, ratio 0.965, error 0.045 (most of it
+    # the light-mode bf16 moments); plain bf16 cosine 0.06, ratio 0.07, error 0.998
+    assert cos >= 0.99 and abs(ratio - 1) <= 0.05
+    assert not (plain_cos >= 0.99 and abs(plain_ratio - 1) <= 0.05)
+    assert err <= 0.1 < plain_err
 
 
 def test_a_smooth_stream_near_the_pairs_limit_keeps_a_few_percent_error():
