@@ -179,27 +179,39 @@ def test_lo_is_allocated_lazily_with_the_params_dtype_device_and_layout():
 
 
 def test_lo_survives_the_recompile_a_new_learning_rate_causes():
+    """SGD, 100 steps at lr 1e-3, then 100 at 2e-3 (a Python float: Dynamo recompiles): the
+    same lo goes on, and the value follows float64 through the change.  Both sides are
+    measured: plain bf16 on the same stream, and what dropping the lo held at the recompile
+    would cost (its size against the whole run's movement)."""
     p = bf16_param()
     ref = torch.nn.Parameter(p.detach().double().clone())
     start = ref.detach().clone()
+    plain = p.detach().clone()  # the same stream in eager bf16
     opt = torch.optim.SGD([p], lr=1e-3, foreach=False)
     ref_opt = torch.optim.SGD([ref], lr=1e-3, foreach=False)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     grads = grad_stream(p.numel(), 200)
-    for g in grads[:100]:
+    for k, g in enumerate(grads):
+        if k == 100:
+            lo_before = collage_compile.components(p)[1]
+            at_recompile = lo_before.double().clone()
+            for group in (*opt.param_groups, *ref_opt.param_groups):
+                group["lr"] = 2e-3  # a Python float: Dynamo recompiles the step
         p.grad, ref.grad = g, g.double()
         step()
         ref_opt.step()
-    lo_before = collage_compile.components(p)[1]
-    assert lo_before.abs().sum() > 0
-    for group in (*opt.param_groups, *ref_opt.param_groups):
-        group["lr"] = 2e-3  # a Python float: Dynamo recompiles the step
-    for g in grads[100:]:
-        p.grad, ref.grad = g, g.double()
-        step()
-        ref_opt.step()
+        plain.add_(g, alpha=-ref_opt.param_groups[0]["lr"])
     assert collage_compile.components(p)[1] is lo_before
-    assert relative_error(mcf_value(p), ref.detach(), start) <= 0.02
+    moved = (ref.detach() - start).norm()
+    err = relative_error(mcf_value(p), ref.detach(), start)
+    plain_err = relative_error(plain.double(), ref.detach(), start)
+    dropped = (at_recompile.norm() / moved).item()
+    print(
+        f"lr change: collage {err:.2e}, plain bf16 {plain_err:.2f}, "
+        f"the lo at the recompile {dropped:.2f} of the movement"
+    )
+    # measured: collage 5.6e-3, plain bf16 1.00, the lo 0.25
+    assert err <= 0.02 < min(plain_err, dropped)
 
 
 def test_lo_dies_with_its_tensor():
