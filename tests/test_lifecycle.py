@@ -80,10 +80,17 @@ def test_two_optimizers_and_two_compiled_functions_share_one_pair():
                 p.mul_(1 - 1e-4)
 
     ref_opt_b = torch.optim.AdamW([torch.nn.Parameter(ref_b.clone())], lr=1e-4, weight_decay=0.0)
-    plain_a = a.detach().clone()  # the same stream in eager bf16
+    # the same streams in eager bf16
+    plain_a = a.detach().clone()
+    plain_b = torch.nn.Parameter(b.detach().clone())
+    plain_opt_b = torch.optim.AdamW([plain_b], lr=1e-4, weight_decay=0.0)
     grads = grad_stream(a.numel(), 60)
     for k, g in enumerate(grads):
         plain_a.add_(g, alpha=-1e-3).mul_(1 - 1e-4)
+        plain_b.grad = g
+        plain_opt_b.step()
+        with torch.no_grad():
+            plain_b.mul_(1 - 1e-4)
         a.grad = b.grad = g
         step_a()
         step_b()
@@ -97,14 +104,19 @@ def test_two_optimizers_and_two_compiled_functions_share_one_pair():
         ref_a.mul_(1 - 1e-4)
         with torch.no_grad():
             rb.mul_(1 - 1e-4)
-    assert state.get_lo(a) is lo_a and state.get_lo(b) is lo_b
     rb = ref_opt_b.param_groups[0]["params"][0].detach()
     err_a = relative_error(mcf_value(a), ref_a, start_a)
     err_b = relative_error(mcf_value(b), rb, start_b)
     plain_a = relative_error(plain_a.double(), ref_a, start_a)
-    print(f"shared pairs: SGD {err_a:.2e}, AdamW {err_b:.2e}, plain bf16 SGD {plain_a:.2f}")
-    assert err_a < 0.02 and err_b < 0.05
-    assert plain_a > 0.3
+    plain_b = relative_error(plain_b.detach().double(), rb, start_b)
+    print(
+        f"shared pairs: SGD {err_a:.2e} (plain bf16 {plain_a:.2f}), "
+        f"AdamW {err_b:.2e} (plain bf16 {plain_b:.2f})"
+    )
+    # measured: SGD 1.4e-2 (plain 1.00), AdamW 6.2e-3 (plain 0.98)
+    assert err_a <= 0.02 < plain_a
+    assert err_b <= 0.02 < plain_b
+    assert state.get_lo(a) is lo_a and state.get_lo(b) is lo_b
 
 
 def test_dynamic_shapes_and_new_learning_rates_keep_each_pair():
