@@ -119,8 +119,10 @@ def test_a_compiled_train_step_upgrades_the_optimizer_and_ema_only():
             f"train step, compiled_autograd={compiled_autograd}: weights collage {err:.3f} "
             f"plain {plain_err:.3f}; EMA collage {ema_err:.3f} plain {plain_ema_err:.3f}"
         )
-        assert err <= 0.2 and plain_err >= 3 * err
-        assert ema_err <= 0.2 and plain_ema_err >= 3 * ema_err
+        # measured: weights 0.037 (plain 0.897), EMA 0.044 (plain 0.992).  A lo that kept
+        # only its top 3 mantissa bits would give 0.095 and 0.076, 2 bits 0.18 and 0.14
+        assert err <= 0.08 < plain_err
+        assert ema_err <= 0.08 < plain_ema_err
         runs[compiled_autograd] = [collage_compile.value(p) for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
