@@ -270,12 +270,20 @@ def test_fused_optimizers_warn_once_naming_the_optimizer():
 
 
 def test_a_write_that_is_not_an_accumulation_warns_and_restarts_lo():
+    """A graph that accumulates into p and then clamps it: the clamp is not an accumulation,
+    so the pair restarts from zero after it (value == hi, the clamped weights).  p starts
+    with a lo holding something (``set_value`` from float64), so a lo that was not restarted
+    would show."""
+
     @torch.compile(backend=collage_compile.backend)
     def step(p, g):
         p.add_(g, alpha=-1e-3)
         p.clamp_(-0.25, 0.25)
 
     p = bf16_param()
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.5
+    collage_compile.set_value(p, x)
+    assert collage_compile.components(p)[1].abs().min() > 0  # every lo holds something
     with (
         torch.no_grad(),
         pytest.warns(collage_compile.CollageWarning, match=r"clamp_.*\[512\], bfloat16"),
@@ -283,7 +291,9 @@ def test_a_write_that_is_not_an_accumulation_warns_and_restarts_lo():
         step(p, torch.full_like(p, 0.01))
     hi, lo = collage_compile.components(p)
     assert torch.equal(lo, torch.zeros_like(lo))  # the pair stays consistent: value == hi
-    assert hi.abs().max() <= 0.25
+    # hi: the step carried on the pair's value (x - 1e-5, not hi - 1e-5), then clamped
+    expected = (x - 1e-3 * 0.01).clamp(-0.25, 0.25)
+    assert torch.equal(hi.detach(), expected.to(torch.bfloat16))
 
 
 def test_each_write_sees_its_operands_as_they_were_at_that_write():
