@@ -87,6 +87,10 @@ def test_state_dicts_carry_lo_in_the_params_dtype_through_torch_save():
     for k in range(3):
         _grads(model, k)
         step()
+    # what is carried holds something: every weight's and second moment's lo is non-zero
+    for p in model.parameters():
+        for t in (p, opt.state[p]["exp_avg_sq"]):
+            assert state.get_lo(t) is not None and state.get_lo(t).abs().max() > 0, "lo is 0"
     sd = opt.state_dict()
     entry = sd["state"][0]
     assert entry["collage_lo"].dtype == torch.bfloat16
@@ -105,6 +109,7 @@ def test_state_dicts_carry_lo_in_the_params_dtype_through_torch_save():
     assert all(not k.startswith("collage") for s in opt2.state.values() for k in s)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(_bits(collage_compile.components(q)[1]), _bits(state.get_lo(p)))
+        assert torch.equal(collage_compile.value(q), collage_compile.value(p))
         v, w = opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"]
         assert torch.equal(_bits(collage_compile.components(w)[1]), _bits(state.get_lo(v)))
 
