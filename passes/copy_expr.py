@@ -25,6 +25,7 @@ would.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -109,24 +110,21 @@ _TRANSPARENT_METHODS = {
 _TRANSPARENT_FUNCTIONS = {torch.clone, torch.detach}
 
 
-def _fma_targets() -> set[Any]:
-    out: set[Any] = set()
-    prims = getattr(torch.ops, "prims", None)
-    if prims is not None and hasattr(prims, "fma"):
-        out.add(prims.fma.default)
-    return out
+# Looked up when a graph is matched, not at import: ``torch.ops.prims`` has no ``fma``
+# until ``torch._prims`` is imported, and a set computed earlier stayed empty, after which
+# plus mode left AdamW's second moment (written through ``prims.fma``) uncompensated.
+@functools.cache
+def fma_targets() -> frozenset[Any]:
+    import torch._prims  # registers the prims ops
+
+    return frozenset({torch.ops.prims.fma.default})
 
 
-def _convert_targets() -> set[Any]:
-    out: set[Any] = set()
-    prims = getattr(torch.ops, "prims", None)
-    if prims is not None and hasattr(prims, "convert_element_type"):
-        out.add(prims.convert_element_type.default)
-    return out
+@functools.cache
+def _convert_targets() -> frozenset[Any]:
+    import torch._prims
 
-
-_FMA = _fma_targets()
-_CONVERT = _convert_targets()
+    return frozenset({torch.ops.prims.convert_element_type.default})
 
 
 def _add_sig(input: Any, other: Any, alpha: Any = 1) -> None: ...
@@ -274,7 +272,7 @@ class _Walker:
             if b is not None:
                 yield "neg", b[0], [Step("mul", (-1.0,))], ()
             return
-        if key in _FMA:
+        if key in fma_targets():
             b = bind(_fma_sig, args, kwargs)
             if b is None:
                 return
@@ -305,7 +303,10 @@ class _Walker:
         key = node.target
         if not (
             (node.op == "call_method" and key in _TRANSPARENT_METHODS)
-            or (node.op == "call_function" and (key in _CONVERT or key in _TRANSPARENT_FUNCTIONS))
+            or (
+                node.op == "call_function"
+                and (key in _convert_targets() or key in _TRANSPARENT_FUNCTIONS)
+            )
         ):
             return False
         if key in ("to", "type_as") and any(isinstance(a, fx.Node) for a in node.args[1:]):

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -33,6 +36,27 @@ def _second_moment_ratio(mode: str, foreach: bool, steps: int = 2000, n: int = 2
         v64.mul_(0.999).add_(grad.double().square(), alpha=0.001)
     v = collage_compile.value(opt.state[p]["exp_avg_sq"]).double()
     return (v / v64).median().item()
+
+
+def test_plus_upgrades_the_second_moment_whatever_was_imported_first():
+    # Dynamo writes AdamW's second moment through prims.fma, an op that exists only once
+    # torch._prims is imported; a pass that looked it up at import time, when imported
+    # first, left exp_avg_sq without a pair in every later compile, quietly
+    code = textwrap.dedent(
+        """
+        import torch
+        import collage_compile.passes  # before anything imports torch._prims
+        import collage_compile
+        p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+        p.grad = torch.randn(64).to(torch.bfloat16)
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        torch.compile(opt.step, backend=collage_compile.make_backend(mode="plus"))()
+        print(collage_compile.components(opt.state[p]["exp_avg_sq"])[1] is not None)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "True", "plus left exp_avg_sq without a pair"
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
