@@ -1,6 +1,6 @@
 """Where a cold compile of the AdamW step spends its time: cProfile of one compile.
 
-    python -m benchmarks.compile_profile --variant plus [--size t300]
+    python -m benchmarks.compile_profile --variant plus [--shapes same|gpt|llama] [--count 300]
 
 One fresh process, a fresh Inductor cache, one torch thread; prints the total, Dynamo's
 per-stage compile times (``torch._dynamo.utils.compile_times``) and the functions with the
@@ -17,11 +17,14 @@ import pstats
 import tempfile
 import time
 
+from benchmarks.shapes import FAMILIES, family_shapes
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", choices=("plain", "light", "plus"), default="plus")
-    ap.add_argument("--size", default="t300")
+    ap.add_argument("--shapes", choices=FAMILIES, default="gpt")
+    ap.add_argument("--count", type=int, default=300, help="number of parameter tensors")
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="collage-prof-")
@@ -29,12 +32,11 @@ def main() -> None:
     from torch._dynamo.utils import compile_times
 
     import collage_compile
-    from benchmarks.metrics_overhead import SIZES, layer_shapes
     from benchmarks.step import LR, WD, make_params
 
     torch.set_num_threads(1)
     torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.ones(8))
-    ps = make_params(layer_shapes(*SIZES[args.size]), "cpu", torch.bfloat16)
+    ps = make_params(family_shapes(args.shapes, args.count), "cpu", torch.bfloat16)
     opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
     plain = args.variant == "plain"
     backend = "inductor" if plain else collage_compile.make_backend(mode=args.variant)
@@ -44,7 +46,7 @@ def main() -> None:
     prof.enable()
     step()
     prof.disable()
-    print(f"{args.variant} --size {args.size}: {time.perf_counter() - t0:.1f} s (profiled)")
+    print(f"{args.variant} {args.shapes} x {len(ps)}: {time.perf_counter() - t0:.1f} s (profiled)")
     print(compile_times(repr="str", aggregate=True))
     rows = sorted(
         (

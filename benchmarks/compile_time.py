@@ -1,16 +1,25 @@
-"""Cold compile time of the AdamW step: plain Inductor against collage light and plus.
+"""Compile time of the AdamW step, plain Inductor against collage light and plus, per
+shape family and tensor count, cold and warm.
 
-    python -m benchmarks.compile_time [--size small|cpu|gpu] [--repeats 3] [--threads 1]
+    python -m benchmarks.compile_time [--shapes same gpt llama] [--counts 300 1000]
+                                      [--variants plain light plus] [--repeats 1]
+                                      [--threads 1] [--device cpu]
 
-Each measurement is a fresh Python process with a fresh Inductor cache directory that
-compiles one variant's step (the same parameter list and ``torch.optim.AdamW(foreach=True)``
-as ``benchmarks.step``), after paying Inductor's one-time process costs on a tiny function;
-the time is the first call of the compiled step (Dynamo, the rewrite, AOTAutograd, Inductor,
-the C++/Triton compiler).  Variants are interleaved round by round (these machines are
-noisy) and the median per variant is reported with its ratio to plain Inductor, and the
-median of each round's ratio to that round's plain compile.
-``benchmarks.step`` compiles its variants one after another in one process, where each
-later compile finds the process warmer; this is the comparison the numbers in README use.
+For every (shape family, tensor count) of ``benchmarks.shapes`` and every variant, one
+round runs two fresh Python processes that share a fresh Inductor cache directory:
+
+* ``cold``: the first process compiles ``torch.optim.AdamW(foreach=True)``'s step over
+  bf16 parameters of those shapes with an empty cache (Dynamo, the rewrite, AOTAutograd,
+  Inductor, the C++/Triton compiler), after paying Inductor's one-time process costs on a
+  tiny function; the time is the compiled step's first call.
+* ``2nd opt``: the same process then compiles a second optimizer of the same class over
+  new parameters of the same shapes (a second model, a restarted run).
+* ``warm``: a second process compiles the first optimizer's step again, with the cache the
+  first one filled (the next run of the same job).
+
+Variants are interleaved within a round (these machines are noisy); each number is the
+median over rounds, and each ratio is the median of the rounds' ratios to plain's time in
+the same round, which follows the machine's slow drifts less than a ratio of medians.
 """
 
 from __future__ import annotations
@@ -18,75 +27,125 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+from benchmarks.shapes import FAMILIES, family_shapes
 
 VARIANTS = ("plain", "light", "plus")
+KINDS = ("cold", "2nd opt", "warm")
 
 
-def _child(variant: str, size: str, device: str) -> None:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="collage-ct-")
-    import time
-
+def _compile_once(variant: str, shapes: list, device: str) -> float:
+    """Seconds until the first call of a new AdamW's compiled step returns."""
     import torch
 
     import collage_compile
-    from benchmarks.metrics_overhead import SIZES, layer_shapes, sync
+    from benchmarks.metrics_overhead import sync
     from benchmarks.step import LR, WD, make_params
 
-    x = torch.ones(8, device=device)
-    torch.compile(lambda t: t * 2 + 1, backend="inductor")(x)
-    sync(device)
-    ps = make_params(layer_shapes(*SIZES[size]), device, torch.bfloat16)
+    ps = make_params(shapes, device, torch.bfloat16)
     opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
     backend = "inductor" if variant == "plain" else collage_compile.make_backend(mode=variant)
     step = torch.compile(opt.step, backend=backend)
     t0 = time.perf_counter()
     step()
     sync(device)
-    print(json.dumps({"variant": variant, "compile_s": time.perf_counter() - t0}))
+    return time.perf_counter() - t0
+
+
+def _child(variant: str, shapes: list, device: str, second: bool) -> None:
+    """One process; the Inductor cache directory comes from the environment."""
+    import torch
+
+    from benchmarks.metrics_overhead import sync
+
+    x = torch.ones(8, device=device)
+    torch.compile(lambda t: t * 2 + 1, backend="inductor")(x)
+    sync(device)
+    out = {"first": _compile_once(variant, shapes, device)}
+    if second:
+        out["second"] = _compile_once(variant, shapes, device)
+    print(json.dumps(out))
+
+
+def _run_child(
+    args: argparse.Namespace, variant: str, family: str, count: int, cache: str, second: bool
+) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", variant]
+    cmd += ["--shapes", family, "--counts", str(count), "--device", args.device]
+    cmd += ["--threads", str(args.threads)] + (["--second"] if second else [])
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _round(args: argparse.Namespace, family: str, count: int) -> dict[str, dict[str, float]]:
+    times: dict[str, dict[str, float]] = {}
+    for v in args.variants:
+        cache = tempfile.mkdtemp(prefix="collage-ct-")
+        try:
+            cold = _run_child(args, v, family, count, cache, second=True)
+            warm = _run_child(args, v, family, count, cache, second=False)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        times[v] = {"cold": cold["first"], "2nd opt": cold["second"], "warm": warm["first"]}
+        print(
+            f"  {family} x {count} {v}: " + " ".join(f"{k} {t:.1f} s" for k, t in times[v].items()),
+            file=sys.stderr,
+            flush=True,
+        )
+    return times
+
+
+def _report(
+    family: str, n: int, rounds: list[dict[str, dict[str, float]]], variants: list[str]
+) -> None:
+    for v in variants:
+        cells = []
+        for k in KINDS:
+            med = statistics.median(r[v][k] for r in rounds)
+            ratio = statistics.median(r[v][k] / r["plain"][k] for r in rounds)
+            cells.append(f"{med:8.1f} {ratio:5.2f}")
+        print(f"{family:6} {n:6} {v:6} " + "  ".join(cells), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="cpu")
+    ap.add_argument("--shapes", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    ap.add_argument("--counts", nargs="+", type=int, default=[300, 1000])
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in each child")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in each child")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--second", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.child:
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        _child(args.child, args.size, args.device)
+        shapes = family_shapes(args.shapes[0], args.counts[0])
+        _child(args.child, shapes, args.device, args.second)
         return
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
 
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(args.repeats):
-        for v in VARIANTS:
-            cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", v]
-            cmd += ["--size", args.size, "--device", args.device, "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            t = json.loads(out.strip().splitlines()[-1])["compile_s"]
-            times[v].append(t)
-            print(f"round {r + 1}: {v} {t:.1f} s", file=sys.stderr, flush=True)
-    base = statistics.median(times["plain"])
     print(
-        f"cold compile of the AdamW step, --size {args.size}, {args.device}, "
-        f"median of {args.repeats} fresh processes each"
+        f"compile time of the AdamW(foreach=True) step, {args.device}, {args.threads} "
+        f"thread(s), median of {args.repeats} round(s); s and ratio to plain"
     )
-    # each round's ratio to the plain compile of the same round, whose median follows the
-    # machine's slow drifts in speed less than the ratio of the medians does
-    print(f"{'variant':8} {'median s':>8} {'vs plain':>8} {'per round':>9}  all runs")
-    for v in VARIANTS:
-        med = statistics.median(times[v])
-        paired = statistics.median(t / p for t, p in zip(times[v], times["plain"]))
-        runs = " ".join(f"{t:.1f}" for t in times[v])
-        print(f"{v:8} {med:8.1f} {med / base:8.2f} {paired:9.2f}  {runs}")
+    print(f"{'shapes':6} {'tensors':>6} {'':6} " + "  ".join(f"{k:>14}" for k in KINDS))
+    for family in args.shapes:
+        for count in args.counts:
+            n = len(family_shapes(family, count))
+            rounds = [_round(args, family, count) for _ in range(args.repeats)]
+            _report(family, n, rounds, args.variants)
 
 
 if __name__ == "__main__":

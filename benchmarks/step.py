@@ -1,6 +1,7 @@
 """Optimizer step speed, memory and compile time against the alternatives, side by side.
 
     python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
+                              [--shapes same|gpt|llama --count 300]
                               [--threads N] [--clock wall|cpu] [--rounds 15]
                               [--json PATH] [--plot PATH]
 
@@ -45,6 +46,7 @@ import torch
 
 import collage_compile
 from benchmarks.metrics_overhead import SIZES, count_code, layer_shapes, sync
+from benchmarks.shapes import FAMILIES, family_shapes
 from collage_compile import _compat
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -131,7 +133,14 @@ class EagerCollageAdamW:
         return [*self.params, *self.m, *self.v, *self.dp]
 
 
-def build_variants(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
+OPTIONAL = ("light", "plus", "exact", "eager", "others")
+
+
+def build_variants(
+    shapes: list[tuple[int, ...]], device: str, foreach: bool, only: tuple[str, ...] = OPTIONAL
+) -> list[Variant]:
+    """fp32 master and plain bf16 (the references of every ratio), then those of
+    :data:`OPTIONAL` named in ``only``."""
     variants = []
 
     # (16, 32): fp32 master weights and state; the bf16 model copy written every step
@@ -165,20 +174,15 @@ def build_variants(shapes: list[tuple[int, ...]], device: str, foreach: bool) ->
         return Variant(name, torch.compile(opt.step, backend=backend), tensors, floor)
 
     variants.append(stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]))
-    variants.append(
-        stock("collage light", collage_compile.make_backend(mode="light"), FLOOR_BYTES["light"])
-    )
-    variants.append(
-        stock("collage plus", collage_compile.make_backend(mode="plus"), FLOOR_BYTES["plus"])
-    )
-    variants.append(
-        stock("collage exact", collage_compile.make_backend(mode="exact"), FLOOR_BYTES["exact"])
-    )
-
-    ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
-    variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
-
-    variants += _third_party(shapes, device, foreach)
+    for mode in ("light", "plus", "exact"):
+        if mode in only:
+            backend = collage_compile.make_backend(mode=mode)
+            variants.append(stock(f"collage {mode}", backend, FLOOR_BYTES[mode]))
+    if "eager" in only:
+        ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
+        variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
+    if "others" in only:
+        variants += _third_party(shapes, device, foreach)
     return variants
 
 
@@ -294,10 +298,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):
         raise SystemExit("--clock cpu measures one thread's CPU time: use --threads 1 on cpu")
-    shapes = layer_shapes(*SIZES[args.size])
+    if args.shapes:
+        shapes = family_shapes(args.shapes, args.count)
+    else:
+        shapes = layer_shapes(*SIZES[args.size])
     n = sum(torch.Size(s).numel() for s in shapes)
     _warm_up_inductor(args.device)
-    variants = build_variants(shapes, args.device, args.foreach)
+    variants = build_variants(shapes, args.device, args.foreach, tuple(args.variants))
     for v in variants:
         compile_variant(v, args.device)
         v.peak_bytes = peak_during_step(v, args.device)
@@ -421,8 +428,21 @@ def plot(res: dict[str, Any], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=SIZES, default="cpu")
+    ap.add_argument(
+        "--shapes",
+        choices=FAMILIES,
+        help="a shape family of benchmarks.shapes instead of --size's GPT layers",
+    )
+    ap.add_argument("--count", type=int, default=300, help="tensors, with --shapes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=OPTIONAL,
+        default=list(OPTIONAL),
+        help="which to run besides fp32 master and plain bf16 (others: optimi, torchao)",
+    )
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
