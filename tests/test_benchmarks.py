@@ -5,8 +5,8 @@ any machine: every variant ran, the persistent bytes per parameter it reports (m
 from the tensors each variant keeps) are the ones its algorithm keeps, the compiled
 variants' kernels were read from Inductor's code, and each number means what its column
 says (the time columns agree with each other, bandwidth is the floor bytes over a copy's,
-a compile time spans far more than one step, the peak includes the persistent state), with
-the timings compared within a broad range only.
+a compile time spans far more than one step, the peak includes the persistent state); no
+variant's time is compared with another's.
 optimi and torchao are installed by the test extra, so their rows are checked here too;
 that they are skipped cleanly when absent is checked without them.
 """
@@ -86,10 +86,6 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
             assert row["compile_s"] > 100 * ms / 1e3, name
         else:
             assert row["compile_s"] is None and row["kernels"] is None, name
-    # a broad range, not a target: every collage step took 0.5x to 8x plain bf16's (1.2x to
-    # 1.3x measured at this size); one that did nothing, or timed something else, would not
-    for name in ("collage light", "collage plus", "collage exact"):
-        assert 0.5 <= rows[name]["vs_plain_bf16"] <= 8, name
     # the compiled steps' kernels come from Inductor's generated code; on this small list
     # plain Inductor and both collage modes fuse the step into one kernel
     # (the fp32 step has a second graph: the copy into the bf16 model)
