@@ -1,0 +1,263 @@
+"""A pytest plugin that breaks collage_compile in memory, never on disk, to show that a test
+fails when the behaviour it names breaks (issue 30's closing note names one per test):
+
+    PYTHONPATH=tools MUT=keep_restored_lo python -m pytest -p mutations \
+        tests/test_checkpoint.py::test_a_restored_lo_is_dropped_when_other_weights_are_loaded_after_it
+
+must FAIL.  ``MUT`` takes comma-separated names (see ``_apply``); some read ``MUT_BITS``,
+``MUT_K`` or ``MUT_MATCH``.  Not part of the suite: each run is one test under one mutation.
+"""
+
+import os
+import types
+
+import torch
+
+
+def pytest_configure(config):
+    for name in filter(None, os.environ.get("MUT", "").split(",")):
+        _apply(name)
+
+
+def _apply(name):
+    from collage_compile import checkpoint, compiler, fuse, rewrite, state
+
+    if name == "keep_restored_lo":  # item 1: skip the drop of a restored lo
+        orig = state.check
+
+        def check(t, lo, name=""):
+            saved = lo.detach().clone()
+            why = orig(t, lo, name)
+            if why is not None and "saved with" in why:
+                with torch.no_grad():
+                    lo.copy_(saved)
+            return why
+
+        state.check = check
+    elif name == "eager_op_drops_lo":  # item 2: the op's eager kernel is not the chain
+        import copy
+
+        orig = fuse._graph
+        cache = {}
+
+        def _graph(key):
+            if key not in cache:
+                gm = copy.deepcopy(orig(key))
+                out = next(n for n in gm.graph.nodes if n.op == "output")
+                vals = list(out.args[0])
+                with gm.graph.inserting_before(out):
+                    for i in range(1, len(vals), 2):  # every lo output times zero
+                        vals[i] = gm.graph.call_function(torch.ops.aten.mul.Tensor, (vals[i], 0.0))
+                out.args = (tuple(vals),)
+                gm.recompile()
+                cache[key] = gm
+            return cache[key]
+
+        fuse._graph = _graph
+    elif name == "outline_patch_unseen":  # item 3: rewrite binds outline at import
+        real = fuse.outline
+        rewrite.fuse = types.SimpleNamespace(outline=real)
+    elif name == "outline_noop":  # fuse.outline keeps every chain inline
+        fuse.outline = lambda *a, **k: False
+    elif name == "report_drops_params":  # the report loses its parameter rows
+        from collage_compile import report
+
+        orig_build = report.GraphReport.build.__func__
+
+        def build(cls, *a, **k):
+            rep = orig_build(cls, *a, **k)
+            rep.entries = [e for e in rep.entries if e.role != "param"]
+            return rep
+
+        report.GraphReport.build = classmethod(build)
+    elif name == "restore_zero_lo":  # a restored all-zero lo is allocated, not skipped
+        checkpoint._all_zero = lambda lo: False
+    elif name == "complex32_unmoved":  # the backend's step leaves complex32 weights as they were
+        orig = compiler._compile_graph
+
+        def _compile_graph(gm, ex, config, record=True):
+            fn = orig(gm, ex, config, record)
+            attrs = [
+                getattr(gm, n.target)
+                for n in gm.graph.nodes
+                if n.op == "get_attr" and getattr(gm, n.target).dtype == torch.complex32
+            ]
+
+            def run(*args):
+                saved = [t.detach().clone() for t in attrs]
+                out = fn(*args)
+                with torch.no_grad():
+                    for t, s in zip(attrs, saved):
+                        t.copy_(s)
+                return out
+
+            return run
+
+        compiler._compile_graph = _compile_graph
+    elif name in ("gpt_zero_grads", "gpt_head_detached"):
+        import torch.nn.functional as F
+
+        from collage_compile import demo
+
+        orig_forward = demo.GPT.forward
+
+        def forward(self, idx, targets):
+            if name == "gpt_zero_grads":  # every grad exists and is zero
+                loss = orig_forward(self, idx, targets)
+                return loss.detach() + 0 * loss
+            t = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            # the output layer reads the shared matrix without a gradient
+            logits = F.linear(self.ln_f(x), self.wte.weight.detach())
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+        demo.GPT.forward = forward
+    elif name.startswith("bench_"):  # benchmarks.step as if it reported a broken number
+        import json
+        import pathlib
+        import subprocess
+
+        kind = name[len("bench_") :]
+        orig_run = subprocess.run
+
+        def run(cmd, *a, **k):
+            proc = orig_run(cmd, *a, **k)
+            if not (isinstance(cmd, list) and "benchmarks.step" in cmd):
+                return proc
+            out = pathlib.Path(cmd[cmd.index("--json") + 1])
+            res = json.loads(out.read_text())
+            rows = {r["variant"]: r for r in res["rows"]}
+            for r in res["rows"]:
+                if kind == "compile_warm" and r["compile_s"] is not None:
+                    r["compile_s"] = r["ms_per_step"] / 1e3  # timed a warm call
+                elif kind == "peak_mib":
+                    r["peak_MB"] = r["peak_MB"] * 1e6 / 2**20
+                elif kind == "ms_in_s":
+                    r["ms_per_step"] /= 1e3
+                elif kind == "bandwidth_bits":
+                    r["of_copy_bandwidth"] *= 8
+            if kind == "step_did_nothing":  # every column consistent with a 20x faster step
+                r, base = rows["collage plus"], rows["plain bf16"]["ms_per_step"]
+                ms = r["ms_per_step"] = base / 20
+                r["ns_per_param"] = ms * 1e6 / res["params"]
+                r["vs_plain_bf16"] = ms / base
+                r["vs_fp32_master"] = ms / rows["fp32 master (16,32)"]["ms_per_step"]
+                r["floor_GBps"] = r["floor_bytes_per_param"] * res["params"] / (ms / 1e3) / 1e9
+                r["of_copy_bandwidth"] = r["floor_GBps"] / res["copy_GBps"]
+            out.write_text(json.dumps(res))
+            return proc
+
+        subprocess.run = run
+    elif name.startswith("demo_"):  # the demo's summary as if it reported a broken number
+        from collage_compile import demo
+
+        orig_summary = demo._Run.summary
+
+        def summary(self, n_params, wall):
+            out = orig_summary(self, n_params, wall)
+            if name == "demo_ms_in_s":
+                out["ms_per_step"] /= 1e3
+            elif name == "demo_opt_from_t0":  # optimizer time measured from the step's start
+                out["opt_ms"], out["opt_ms_per_step"] = out["step_ms"], out["ms_per_step"]
+            elif name == "demo_first_step":  # the compiling first step as ms/step
+                out["ms_per_step"] = out["step_ms"][0]
+            elif name == "demo_tied_twice":  # the tied matrix counted twice
+                out["n_params"] += 256 * 16
+                out["bytes_per_param"] = out["persistent_bytes"] / out["n_params"]
+            return out
+
+        demo._Run.summary = summary
+    elif name == "rewrite_nothing":  # the pass rewrites nothing (report unchanged)
+        rewrite.emit = lambda *a, **k: []
+    elif name == "lo_not_fed":  # lo allocated, never read or written: plain bf16 numerics
+        orig_call = compiler._LoInputs.__call__
+
+        def call(self, *args):
+            compiled = self.compiled
+            n = len(self._call_los)
+
+            def run(*a):
+                head, los = a[: len(a) - n], a[len(a) - n :]
+                return compiled(*head, *[torch.zeros_like(x) for x in los])
+
+            self.compiled = run
+            try:
+                return orig_call(self, *args)
+            finally:
+                self.compiled = compiled
+
+        compiler._LoInputs.__call__ = call
+    elif name == "zero_lo_at_call":  # each graph drops its lo once, at its MUT_K-th call
+        orig_call = compiler._LoInputs.__call__
+        k = int(os.environ.get("MUT_K", "2"))
+
+        def call(self, *args):
+            self._mut_calls = getattr(self, "_mut_calls", 0) + 1
+            if self._mut_calls == k:
+                self._refresh(self._attr_tensors())
+                for lo in self._call_los:
+                    if lo is not None:
+                        lo.zero_()
+            return orig_call(self, *args)
+
+        compiler._LoInputs.__call__ = call
+    elif name == "lo_bits":  # after each call, keep only MUT_BITS mantissa bits of each lo
+        orig_call = compiler._LoInputs.__call__
+        bits = int(os.environ.get("MUT_BITS", "2"))
+        mask = ~((1 << (7 - bits)) - 1) & 0xFFFF
+
+        def call(self, *args):
+            out = orig_call(self, *args)
+            for lo in self._call_los:
+                if lo is not None and lo.dtype == torch.bfloat16:
+                    v = lo.view(torch.int16)
+                    v.copy_((v.to(torch.int32) & mask).to(torch.int16))
+            return out
+
+        compiler._LoInputs.__call__ = call
+    elif name == "zero_lo_on_recompile":  # lo kept by identity but zeroed at a recompile
+        orig = compiler._compile_graph
+        calls = []
+
+        def _compile_graph(*a, **k):
+            calls.append(1)
+            if len(calls) > 1:
+                for _, lo in list(state._entries.values()):
+                    lo.zero_()
+            return orig(*a, **k)
+
+        compiler._compile_graph = _compile_graph
+    elif name == "keep_lo_after_non_accumulation":  # item 7: no restart after clamp_
+        compiler._LoInputs._reset_unchained = lambda self, args: None
+        orig_emit = rewrite.emit
+
+        def emit(gm, info, chains, unsupported, *a, **k):
+            return orig_emit(gm, info, chains, [], *a, **k)
+
+        rewrite.emit = emit
+    elif name == "mode_off_where":  # mode="off" for graphs whose code has MUT_MATCH
+        import dataclasses
+
+        orig = compiler._compile_graph
+        match = os.environ["MUT_MATCH"]
+
+        def _compile_graph(gm, ex, config, record=True):
+            if match in gm.code:
+                config = dataclasses.replace(config, mode="off")
+            return orig(gm, ex, config, record)
+
+        compiler._compile_graph = _compile_graph
+    elif name == "mode_off":
+        import dataclasses
+
+        orig = compiler._compile_graph
+
+        def _compile_graph(gm, ex, config, record=True):
+            return orig(gm, ex, dataclasses.replace(config, mode="off"), record)
+
+        compiler._compile_graph = _compile_graph
+    else:
+        raise SystemExit(f"unknown MUT={name}")
+    print(f"\n*** mutation applied: {name}")
