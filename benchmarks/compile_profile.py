@@ -31,22 +31,20 @@ def main() -> None:
     import torch
     from torch._dynamo.utils import compile_times
 
-    import collage_compile
-    from benchmarks.step import LR, WD, make_params
+    from benchmarks.compile_time import adamw_step
 
     torch.set_num_threads(1)
     torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.ones(8))
-    ps = make_params(family_shapes(args.shapes, args.count), "cpu", torch.bfloat16)
-    opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
-    plain = args.variant == "plain"
-    backend = "inductor" if plain else collage_compile.make_backend(mode=args.variant)
-    step = torch.compile(opt.step, backend=backend)
+    shapes = family_shapes(args.shapes, args.count)
+    step = adamw_step(args.variant, shapes, "cpu")
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     step()
     prof.disable()
-    print(f"{args.variant} {args.shapes} x {len(ps)}: {time.perf_counter() - t0:.1f} s (profiled)")
+    print(
+        f"{args.variant} {args.shapes} x {len(shapes)}: {time.perf_counter() - t0:.1f} s (profiled)"
+    )
     print(compile_times(repr="str", aggregate=True))
     rows = sorted(
         (

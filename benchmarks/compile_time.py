@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks.shapes import FAMILIES, family_shapes
 
@@ -40,18 +42,25 @@ VARIANTS = ("plain", "light", "plus")
 KINDS = ("cold", "2nd opt", "warm")
 
 
-def _compile_once(variant: str, shapes: list, device: str) -> float:
-    """Seconds until the first call of a new AdamW's compiled step returns."""
+def adamw_step(variant: str, shapes: list, device: str) -> Callable[[], Any]:
+    """A new ``AdamW(foreach=True)``'s step over bf16 parameters of ``shapes``, wrapped by
+    ``torch.compile`` with ``variant``'s backend (not yet compiled: that is its first call)."""
     import torch
 
     import collage_compile
-    from benchmarks.metrics_overhead import sync
     from benchmarks.step import LR, WD, make_params
 
     ps = make_params(shapes, device, torch.bfloat16)
     opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
     backend = "inductor" if variant == "plain" else collage_compile.make_backend(mode=variant)
-    step = torch.compile(opt.step, backend=backend)
+    return torch.compile(opt.step, backend=backend)
+
+
+def _compile_once(variant: str, shapes: list, device: str) -> float:
+    """Seconds until the first call of a new AdamW's compiled step returns."""
+    from benchmarks.metrics_overhead import sync
+
+    step = adamw_step(variant, shapes, device)
     t0 = time.perf_counter()
     step()
     sync(device)
