@@ -114,17 +114,10 @@ _TRANSPARENT_FUNCTIONS = {torch.clone, torch.detach}
 # until ``torch._prims`` is imported, and a set computed earlier stayed empty, after which
 # plus mode left AdamW's second moment (written through ``prims.fma``) uncompensated.
 @functools.cache
-def fma_targets() -> frozenset[Any]:
+def _prim(name: str) -> Any:
     import torch._prims  # registers the prims ops
 
-    return frozenset({torch.ops.prims.fma.default})
-
-
-@functools.cache
-def _convert_targets() -> frozenset[Any]:
-    import torch._prims
-
-    return frozenset({torch.ops.prims.convert_element_type.default})
+    return getattr(torch.ops.prims, name).default
 
 
 def _add_sig(input: Any, other: Any, alpha: Any = 1) -> None: ...
@@ -272,7 +265,7 @@ class _Walker:
             if b is not None:
                 yield "neg", b[0], [Step("mul", (-1.0,))], ()
             return
-        if key in fma_targets():
+        if key == _prim("fma"):
             b = bind(_fma_sig, args, kwargs)
             if b is None:
                 return
@@ -305,7 +298,7 @@ class _Walker:
             (node.op == "call_method" and key in _TRANSPARENT_METHODS)
             or (
                 node.op == "call_function"
-                and (key in _convert_targets() or key in _TRANSPARENT_FUNCTIONS)
+                and (key == _prim("convert_element_type") or key in _TRANSPARENT_FUNCTIONS)
             )
         ):
             return False
