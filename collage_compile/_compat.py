@@ -310,16 +310,19 @@ def element_origins() -> Any:
     foreach op after them inherited the origins of all N elements of its inputs, every
     ``getitem`` of one element inherited all N again, every IR node made from it copied
     the set, and the scheduler walks them once more per kernel
-    (``Scheduler.enter_context``): time and memory that grow as N^2.  Measured on 2.13
-    CPU, AdamW over 1000 same-shaped tensors: plain Inductor's cold compile 305 s, the
-    rewritten step's 940 s (it has about 1.5 times the IR nodes, each MCF chain's reading
-    the whole set).  Origins name kernels and annotate the generated code; nothing
-    computed depends on them.  ``aten.cat(tensors, dim)``'s origins no longer name its
-    inputs.  Checked on 2.11 and 2.13 (``gather_origins`` imported by name into
-    ``torch/_inductor/graph.py``)."""
+    (``Scheduler.enter_context``): time and memory that grow as N^2, faster for the
+    rewritten step (about 1.5 times plain's IR nodes per tensor, each MCF chain's reading
+    the whole set) than for plain Inductor's (docs/speed.md#compile-time has the table).
+    Origins name kernels and annotate the generated code; nothing computed depends on
+    them.  ``aten.cat(tensors, dim)``'s origins no longer name its inputs.  Checked on
+    2.13, where ``torch/_inductor/graph.py`` imports ``gather_origins`` by name; where it
+    does not, this changes nothing."""
     from torch._inductor import graph as inductor_graph
 
-    gather = inductor_graph.gather_origins
+    gather = getattr(inductor_graph, "gather_origins", None)
+    if gather is None:
+        yield
+        return
 
     def gather_elements(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if (
