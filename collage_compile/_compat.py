@@ -31,6 +31,12 @@ def current_frame() -> str | None:
     return f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
 
 
+# id -> weakref of every optimizer (the tick op gets the id, a constant in a compiled graph)
+_optimizers: dict[int, Any] = {}
+# the function called after every step (set once by after_every_optimizer_step)
+_after_step: list[Callable[[Any], None]] = []
+
+
 def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     """Call ``fn(optimizer)`` after every ``torch.optim`` step, compiled or not, at run time.
 
@@ -39,11 +45,15 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     ``collage::optimizer_stepped(id(self), ticks)``, whose implementation calls ``fn``:
     eagerly it runs there and then; traced by Dynamo it becomes a node of the graph (it
     mutates ``ticks``, a counter, so no pass may drop it), executed on every call of the
-    compiled step.  No graph break, no guard beyond the optimizer's identity, which Dynamo
-    guards anyway: ``fullgraph=True`` keeps working, for every backend.  (A global step
-    post-hook would not do: one that runs eagerly needs ``torch.compiler.disable``, a
-    graph break inside the hook loop, which makes Dynamo skip the wrapper frame and trace
-    the step alone, and fails ``fullgraph=True``.)  Checked on 2.13 and written for 2.11
+    compiled step by every other backend.  The collage backend takes the node out of its
+    graphs and calls ``fn`` from its wrapper after the graph (:func:`take_step_ticks`):
+    a graph then holds no op that runs Python or writes a CPU tensor, which would keep
+    Inductor from capturing a CUDA step as a CUDA graph.  No graph break, no guard beyond
+    the optimizer's identity, which Dynamo guards anyway: ``fullgraph=True`` keeps
+    working, for every backend.  (A global step post-hook would not do: one that runs
+    eagerly needs ``torch.compiler.disable``, a graph break inside the hook loop, which
+    makes Dynamo skip the wrapper frame and trace the step alone, and fails
+    ``fullgraph=True``.)  Checked on 2.13 and written for 2.11
     (``Optimizer.profile_hook_step``, ``Optimizer._patch_step_function``,
     ``torch.library.custom_op``)."""
     import gc
@@ -53,15 +63,14 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     original = cls._optimizer_step_code
     if getattr(original, "_collage", False):
         return
-    # id -> optimizer: the op gets the id (a constant in a compiled graph) and finds the
-    # object here.  Every optimizer is entered when it is built (``__init__`` and
-    # ``__setstate__`` call ``_patch_step_function``) or, if it already exists, now.
-    optimizers: dict[int, Any] = {}
+    _after_step.append(fn)
+    # Every optimizer is entered when it is built (``__init__`` and ``__setstate__`` call
+    # ``_patch_step_function``) or, if it already exists, now.
     ticks = torch.zeros((), dtype=torch.int64)
 
     def enter(optimizer: Any) -> None:
         key = id(optimizer)
-        optimizers[key] = weakref.ref(optimizer, lambda _, key=key: optimizers.pop(key, None))
+        _optimizers[key] = weakref.ref(optimizer, lambda _, key=key: _optimizers.pop(key, None))
 
     for obj in gc.get_objects():
         if issubclass(type(obj), cls):  # type(), not isinstance: no __class__ property runs
@@ -75,10 +84,7 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     @torch.library.custom_op("collage::optimizer_stepped", mutates_args=("ticks",))
     def optimizer_stepped(key: int, ticks: torch.Tensor) -> None:
         ticks.add_(1)
-        ref = optimizers.get(key)
-        optimizer = ref() if ref is not None else None
-        if optimizer is not None:
-            fn(optimizer)
+        run_step_ticks((key,))
 
     @optimizer_stepped.register_fake
     def _(key: int, ticks: torch.Tensor) -> None:
@@ -97,12 +103,48 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     cls._patch_step_function = _patch_step_function  # type: ignore[method-assign]
 
 
+def run_step_ticks(keys: Sequence[int]) -> None:
+    """Call the after-step function for the optimizers with these ids (those still alive)."""
+    for key in keys:
+        ref = _optimizers.get(key)
+        optimizer = ref() if ref is not None else None
+        if optimizer is not None:
+            for fn in _after_step:
+                fn(optimizer)
+
+
+def _step_tick_op() -> Any:
+    op = getattr(getattr(torch.ops, "collage", None), "optimizer_stepped", None)
+    return op.default if op is not None else None
+
+
 def is_step_tick_graph(gm: fx.GraphModule) -> bool:
     """A graph that only calls ``collage::optimizer_stepped`` (what Dynamo captures after a
     torch.optim step's own graph break: see :func:`after_every_optimizer_step`)."""
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-    op = getattr(getattr(torch.ops, "collage", None), "optimizer_stepped", None)
-    return bool(calls) and op is not None and all(n.target is op.default for n in calls)
+    op = _step_tick_op()
+    return bool(calls) and op is not None and all(n.target is op for n in calls)
+
+
+def has_step_ticks(gm: fx.GraphModule) -> bool:
+    op = _step_tick_op()
+    return op is not None and bool(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def take_step_ticks(gm: fx.GraphModule) -> list[int]:
+    """Remove the ``collage::optimizer_stepped`` nodes from ``gm`` (in place) and return
+    their optimizers' ids, in graph order: the caller runs :func:`run_step_ticks` after
+    each call of the compiled graph.  The counter they wrote stays an input, unused (an
+    unused CPU input does not keep Inductor from capturing a CUDA graph)."""
+    op = _step_tick_op()
+    if op is None:
+        return []
+    keys = []
+    for node in list(gm.graph.find_nodes(op="call_function", target=op)):
+        if not node.users and isinstance(node.args[0], int):
+            keys.append(node.args[0])
+            gm.graph.erase_node(node)
+    return keys
 
 
 def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:

@@ -143,14 +143,51 @@ class _EveryK:
 def _compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig, record: bool = True
 ) -> Callable[..., Any]:
-    from collage_compile import modes, passes, rewrite
-
     watch.install()
     if _compat.is_step_tick_graph(gm):
         return gm.forward  # the optimizer watch's call after a step: nothing to compile
     names.learn(gm, list(example_inputs))
-    original = gm
-    gm = _compat.copy_graph_module(gm)
+    original, ticks = _without_step_ticks(gm)
+    compiled = _compile_rewritten(original, example_inputs, config, record)
+    if not ticks:
+        return compiled
+    if isinstance(compiled, _LoInputs):
+        compiled.ticks = ticks
+        return compiled
+    return _StepTicks(compiled, ticks)
+
+
+def _without_step_ticks(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[int]]:
+    """Dynamo's graph without the optimizer watch's ticks (a copy: Dynamo's own is never
+    mutated), and the ids of the optimizers whose steps they followed: the wrapper runs
+    the watch after each call instead (:func:`_compat.take_step_ticks`)."""
+    if not _compat.has_step_ticks(gm):
+        return gm, []
+    copy = _compat.copy_graph_module(gm)
+    ticks = _compat.take_step_ticks(copy)
+    copy.recompile()
+    return copy, ticks
+
+
+class _StepTicks:
+    """A compiled graph with nothing to upgrade that followed optimizer steps: the
+    optimizer watch runs after each call (:func:`_without_step_ticks`)."""
+
+    def __init__(self, compiled: Callable[..., Any], ticks: list[int]):
+        self.compiled, self.ticks = compiled, ticks
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.compiled(*args)
+        _compat.run_step_ticks(self.ticks)
+        return out
+
+
+def _compile_rewritten(
+    original: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig, record: bool
+) -> Callable[..., Any]:
+    from collage_compile import modes, passes, rewrite
+
+    gm = _compat.copy_graph_module(original)
     normalized = passes.normalize(gm, config)
     # every low-precision tensor starts eligible: the families claim what they understand,
     # then the mode keeps what it upgrades (modes.select)
@@ -367,6 +404,8 @@ class _LoInputs:
     ):
         self.compiled = compiled
         self.metrics = metrics
+        # optimizers whose steps this graph ran: the watch checks them after each call
+        self.ticks: list[int] = []
         self.exact = exact  # lo inputs are exact remainders (mode="exact")
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
@@ -471,6 +510,8 @@ class _LoInputs:
             state.stamp(args[idx], call_los[slot])
         if self._unchained_refs or self._unchained_inputs:
             self._reset_unchained(args)
+        if self.ticks:
+            _compat.run_step_ticks(self.ticks)
         return out
 
     def _pair_new_state(self, out: Any) -> Any:

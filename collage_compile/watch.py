@@ -9,7 +9,9 @@ hear about it.  Three watchers, installed once when the backend is first asked f
 1. **Optimizer steps.**  A check that runs after every optimizer step, compiled or not,
    without a graph break or a guard (:func:`_compat.after_every_optimizer_step`: a custom
    op where torch.optim's step wrapper calls its profiler entry point, recorded into the
-   compiled step and executed on every call).  Every call of a collage graph first adds
+   compiled step; the collage backend takes it out of its graphs and runs the check from
+   its wrapper after every call, so the graph runs no Python and can be captured as a
+   CUDA graph).  Every call of a collage graph first adds
    the tensors it writes to each optimizer's window; the check compares the window with
    the optimizer's parameters that carry a pair and have a gradient.  One no collage graph
    wrote was stepped without one: a :class:`CollageWarning` names the optimizer, the
