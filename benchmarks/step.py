@@ -1,6 +1,7 @@
 """Optimizer step speed, memory and compile time against the alternatives, side by side.
 
     python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
+                              [--variants fused light plus exact cudagraphs eager others]
                               [--shapes same|gpt|llama --count 300]
                               [--threads N] [--clock wall|cpu] [--rounds 15]
                               [--json PATH] [--plot PATH]
@@ -12,7 +13,11 @@ and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
   compiled with plain Inductor; the step also writes the bf16 model copy the forward pass
   reads (``torch._foreach_copy_``), as such training must.
 * ``plain bf16``: bf16 parameters and state, plain Inductor (``backend="inductor"``).
+* ``fp32 fused`` / ``bf16 fused``: torch's own ``AdamW(fused=True)``, eager, on fp32 master
+  weights (writing the bf16 model copy after it) and on bf16 weights.
 * ``collage light`` / ``collage plus`` / ``collage exact``: this backend.
+* ``... cudagraphs`` (CUDA only): plain bf16 with ``mode="reduce-overhead"``, collage light
+  and plus with ``cudagraphs=True``: each step one CUDA graph replay.
 * ``eager Collage``: the paper's Collage-light AdamW written op by op with eager bf16
   ``torch._foreach_*`` ops (:class:`EagerCollageAdamW`), the reference-implementation baseline.
 * ``optimi Kahan`` / ``torchao bf16 SR``: when those packages are installed (skipped otherwise).
@@ -133,7 +138,7 @@ class EagerCollageAdamW:
         return [*self.params, *self.m, *self.v, *self.dp]
 
 
-OPTIONAL = ("light", "plus", "exact", "eager", "others")
+OPTIONAL = ("fused", "light", "plus", "exact", "cudagraphs", "eager", "others")
 
 
 def build_variants(
@@ -162,7 +167,7 @@ def build_variants(
         )
     )
 
-    def stock(name: str, backend: Any, floor: int) -> Variant:
+    def stock(name: str, backend: Any, floor: int, mode: str | None = None) -> Variant:
         ps = make_params(shapes, device, torch.bfloat16)
         opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=foreach)
 
@@ -171,19 +176,64 @@ def build_variants(
             los += [collage_compile.components(t)[1] for t in _state_tensors(opt)]
             return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
 
-        return Variant(name, torch.compile(opt.step, backend=backend), tensors, floor)
+        return Variant(name, torch.compile(opt.step, backend=backend, mode=mode), tensors, floor)
 
     variants.append(stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]))
+    if "fused" in only:
+        variants += _fused(shapes, device)
     for mode in ("light", "plus", "exact"):
         if mode in only:
             backend = collage_compile.make_backend(mode=mode)
             variants.append(stock(f"collage {mode}", backend, FLOOR_BYTES[mode]))
+    if "cudagraphs" in only and device != "cuda":
+        print("skipped: cudagraphs rows (CUDA graphs capture CUDA work only)", file=sys.stderr)
+    elif "cudagraphs" in only:
+        # Inductor's own option for plain bf16; the same through the backend for collage
+        variants.append(
+            stock("plain bf16 cudagraphs", "inductor", FLOOR_BYTES["bf16"], "reduce-overhead")
+        )
+        for mode in ("light", "plus"):
+            if mode in only:
+                backend = collage_compile.make_backend(mode=mode, cudagraphs=True)
+                variants.append(stock(f"collage {mode} cudagraphs", backend, FLOOR_BYTES[mode]))
     if "eager" in only:
         ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
         variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
     if "others" in only:
         variants += _third_party(shapes, device, foreach)
     return variants
+
+
+def _fused(shapes: list[tuple[int, ...]], device: str) -> list[Variant]:
+    """torch's ``AdamW(fused=True)``, eager as users run it: on fp32 master weights (with
+    the bf16 model copy written after it) and on bf16 weights (plain low precision)."""
+    master = make_params(shapes, device, torch.float32)
+    model = [p.detach().to(torch.bfloat16) for p in master]
+    opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=True)
+
+    def step32() -> None:
+        opt32.step()
+        with torch.no_grad():
+            torch._foreach_copy_(model, master)
+
+    ps = make_params(shapes, device, torch.bfloat16)
+    opt16 = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
+    return [
+        Variant(
+            "fp32 fused (16,32)",
+            step32,
+            lambda: [*master, *model, *_state_tensors(opt32)],
+            FLOOR_BYTES["fp32"],
+            compiled=False,
+        ),
+        Variant(
+            "bf16 fused",
+            opt16.step,
+            lambda: [*ps, *_state_tensors(opt16)],
+            FLOOR_BYTES["bf16"],
+            compiled=False,
+        ),
+    ]
 
 
 def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
@@ -441,7 +491,9 @@ def main() -> None:
         nargs="+",
         choices=OPTIONAL,
         default=list(OPTIONAL),
-        help="which to run besides fp32 master and plain bf16 (others: optimi, torchao)",
+        help="which to run besides fp32 master and plain bf16 (fused: torch's AdamW(fused=True) "
+        "on fp32 master and on bf16 weights; cudagraphs: plain, light and plus captured as "
+        "CUDA graphs, CUDA only; others: optimi, torchao)",
     )
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed sample")

@@ -173,6 +173,31 @@ def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:
     logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
 
 
+def on_cudagraph_skip(callback: Callable[[str], None]) -> None:
+    """Call ``callback(reason)`` whenever Inductor decides not to capture a CUDA graph, at
+    compile time (a fresh compile or one loaded from its cache) or when cudagraph trees
+    run it (``log_cudagraph_skip_and_bump_counter``, whose warning record is made
+    whether or not ``TORCH_LOGS=cudagraphs`` shows it, as its ``cudagraph_skips`` counter
+    is bumped).  A graph whose every node is on the CPU only bumps the counter: the
+    backend names that case itself.  Checked on 2.13; the same function on 2.11."""
+    import logging
+
+    from torch._inductor import cudagraph_utils
+
+    class _Watch(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.WARNING:
+                try:
+                    callback(record.getMessage())
+                except Warning:  # warnings made errors by the user: theirs to see
+                    raise
+                except Exception:  # anything else must never break compilation
+                    pass
+            return True
+
+    cudagraph_utils.cudagraphs_log.addFilter(_Watch())
+
+
 def torch_version() -> str:
     return torch.__version__.split("+")[0]
 
@@ -300,6 +325,16 @@ def mark_new_input(node: fx.Node) -> None:
     node._dynamo_source = None  # type: ignore[attr-defined]
 
 
+def mark_static_input(node: fx.Node) -> None:
+    """The tensor passed for this placeholder keeps its address from call to call (a lo,
+    held by the registry for its tensor's life): AOTAutograd lists it among the static
+    inputs (``static_input_indices``, read from the placeholder's ``tensor_dict`` as
+    Dynamo leaves it for ``torch._dynamo.mark_static_address(t, guard=False)``), so
+    Inductor's cudagraph trees let the graph write it and do not copy it per replay.
+    Checked on 2.13 (``_aot_autograd/frontend_utils.py``) and 2.11."""
+    node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copied graph; Dynamo reads the original's placeholders after
     the backend returns, so the graph it hands us is never mutated."""
@@ -322,8 +357,11 @@ def compile_with_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     config_patches: dict[str, Any] | None = None,
+    cudagraphs: bool = False,
 ) -> Callable[..., Any]:
-    """Exactly what ``backend="inductor"`` does, optionally with scoped config patches.
+    """Exactly what ``backend="inductor"`` does, optionally with scoped config patches,
+    and with ``cudagraphs`` what its ``mode="reduce-overhead"`` does (``triton.cudagraphs``,
+    cudagraph trees on by default on 2.11 and 2.13).
 
     A graph with DTensor inputs skips AOTAutograd's cache: its key hashes a DTensor by
     mesh, placements and global shape (torch 2.11 to 2.13), the same on every rank, so a
@@ -336,8 +374,9 @@ def compile_with_inductor(
     no_cache = any(is_dtensor(t) for t in example_inputs)
     scope = torch._functorch.config.patch(enable_autograd_cache=False)
     origins = element_origins() if config_patches else contextlib.nullcontext()
+    patches = {**(config_patches or {}), **({"triton.cudagraphs": True} if cudagraphs else {})}
     with scope if no_cache else contextlib.nullcontext(), origins:
-        return compile_fx(gm, list(example_inputs), config_patches=config_patches or None)
+        return compile_fx(gm, list(example_inputs), config_patches=patches or None)
 
 
 @contextlib.contextmanager
@@ -603,6 +642,33 @@ def run_and_count_loop_bodies(fn: Callable[..., Any], *args: Any) -> tuple[Any, 
     ):
         result = fn(*args)
     return result, counts[0], counts[1]
+
+
+@contextlib.contextmanager
+def cudagraph_inputs() -> Any:
+    """While open, for every graph Inductor compiles: ``(written, static)``, the indices
+    of the inputs its kernels write and of those it may take to keep their address from
+    call to call.  Under cudagraph trees Inductor captures a graph only if every written
+    input is static (``cudagraph_utils.check_for_mutation_ignore_cuda_graph_managed_tensor``,
+    evaluated where the graph is on a CUDA device): on CPU this shows what it would decide.
+    Read off ``CompiledFxGraph`` as constructed (2.13; the same fields on 2.11), so
+    Inductor's caches are off meanwhile (a graph loaded from them is not constructed)."""
+    from torch._inductor import output_code
+
+    seen: list[tuple[set[int], set[int]]] = []
+    init = output_code.CompiledFxGraph.__init__
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        static = (self.fx_kwargs or {}).get("static_input_idxs") or ()
+        seen.append((set(self.mutated_input_idxs), set(static)))
+
+    output_code.CompiledFxGraph.__init__ = recording  # type: ignore[method-assign]
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield seen
+    finally:
+        output_code.CompiledFxGraph.__init__ = init  # type: ignore[method-assign]
 
 
 def run_and_get_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:

@@ -75,11 +75,15 @@ def _collage_registered(
     options: dict[str, Any] | None = None,
     mode: str | None = None,
 ) -> Callable[..., Any]:
-    """``backend="collage"``: ``torch.compile`` forwards ``options={...}`` here."""
-    if mode not in (None, "default"):
+    """``backend="collage"``: ``torch.compile`` forwards ``options={...}`` and ``mode=``
+    here; ``mode="reduce-overhead"`` is ``options={"cudagraphs": True}``."""
+    if mode not in (None, "default", "reduce-overhead"):
         raise ValueError(
-            f"collage: torch.compile(mode={mode!r}) is not supported; pass options={{...}}"
+            f"collage: torch.compile(mode={mode!r}) is not supported with backend='collage' "
+            "(only 'default' and 'reduce-overhead'); pass options={...}"
         )
+    if mode == "reduce-overhead":
+        options = {"cudagraphs": True, **(options or {})}
     return compile_graph(gm, example_inputs, _config_for(options))
 
 
@@ -111,11 +115,19 @@ def compile_graph(
     """Rewrite one Dynamo graph's accumulations into MCF and compile it with Inductor
     (with ``every`` other than 1, twice: with the metrics and without, see
     :class:`_EveryK`)."""
-    compiled = _compile_graph(gm, example_inputs, config)
+    shown = f"the graph of {_compat.current_frame() or 'a compiled function'}"
+    if config.cudagraphs and not any(
+        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs
+    ):
+        watch.cudagraphs_on_cpu(shown)
+    with watch.in_call(shown):
+        compiled = _compile_graph(gm, example_inputs, config)
     if config.every == 1 or not isinstance(compiled, _LoInputs) or compiled.metrics is None:
         return compiled
     quiet = dataclasses.replace(config, metrics=False, every=1)
-    return _EveryK(compiled, _compile_graph(gm, example_inputs, quiet, record=False), config.every)
+    with watch.in_call(shown):
+        quiet_compiled = _compile_graph(gm, example_inputs, quiet, record=False)
+    return _EveryK(compiled, quiet_compiled, config.every)
 
 
 class _EveryK:
@@ -149,12 +161,11 @@ def _compile_graph(
     names.learn(gm, list(example_inputs))
     original, ticks = _without_step_ticks(gm)
     compiled = _compile_rewritten(original, example_inputs, config, record)
-    if not ticks:
-        return compiled
     if isinstance(compiled, _LoInputs):
         compiled.ticks = ticks
+        compiled.replayed = config.cudagraphs
         return compiled
-    return _StepTicks(compiled, ticks)
+    return _StepTicks(compiled, ticks) if ticks else compiled
 
 
 def _without_step_ticks(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[int]]:
@@ -236,7 +247,9 @@ def _compile_rewritten(
         if info.accumulators and any(passes.finalize(gm).values()):
             gm.recompile()
             original = gm
-        compiled = _compat.compile_with_inductor(original, example_inputs)
+        compiled = _compat.compile_with_inductor(
+            original, example_inputs, cudagraphs=config.cudagraphs
+        )
         return _LoInputs(compiled, [], unchained) if unchained else compiled
 
     # tensors carrying a pair that a chain reads whole (an EMA's parameter) pass their lo in
@@ -260,7 +273,7 @@ def _compile_rewritten(
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
     compiled = _compat.compile_with_inductor(
-        gm, [*example_inputs, *lo_examples], _inductor_patches(config)
+        gm, [*example_inputs, *lo_examples], _inductor_patches(config), config.cudagraphs
     )
     return _LoInputs(compiled, upgraded, unchained, _graph_metrics(measured), readers)
 
@@ -282,7 +295,7 @@ def _compile_exact(
     if not info.writes and not any(normalized.values()):
         if record:
             report.record(report.GraphReport.build(info, {}, [], config))
-        return _compat.compile_with_inductor(original, example_inputs)
+        return _compat.compile_with_inductor(original, example_inputs, cudagraphs=config.cudagraphs)
     c = exact.compile_exact(gm, info, sites, example_inputs, config, record)
     return _LoInputs(
         c.fn,
@@ -323,7 +336,7 @@ def _measure_only(
         original = gm
     # Inductor's own settings: its choice of what to materialize decides which bf16
     # temporaries are rounded, and "off" promises plain Inductor's arithmetic
-    compiled = _compat.compile_with_inductor(original, example_inputs)
+    compiled = _compat.compile_with_inductor(original, example_inputs, cudagraphs=config.cudagraphs)
     if not measured:
         return _LoInputs(compiled, [], unchained) if unchained else compiled
     return _LoInputs(compiled, [], unchained, _graph_metrics(measured))
@@ -406,6 +419,15 @@ class _LoInputs:
         self.metrics = metrics
         # optimizers whose steps this graph ran: the watch checks them after each call
         self.ticks: list[int] = []
+        # captured as a CUDA graph: an output is overwritten by the next replay
+        self.replayed = False
+        shown = [names.display(a.real, a.name) for a in upgraded[:4]]
+        more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
+        self._shown = (
+            f"the graph that updates {', '.join(shown)}{more}"
+            if shown
+            else ("a graph compiled by the collage backend")
+        )
         self.exact = exact  # lo inputs are exact remainders (mode="exact")
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
@@ -493,14 +515,17 @@ class _LoInputs:
         wrote = self._written_ids
         if self._written_inputs:
             wrote = wrote | {id(args[i]) for i in self._written_inputs}
-        # before the call: an optimizer step compiled into this graph checks it from inside
+        # before the call: the optimizer watch reads it after the call (self.ticks) or after
+        # the step that follows
         watch.record_call(wrote)
-        with watch.in_call:
+        with watch.in_call(self._shown):
             # Dynamo calls a backend's result with positional arguments (never boxed)
             out = self.compiled(*args, *call_los)
         if self.metrics is not None:
-            # the last output is the metrics' sums (rewrite.add_metrics_output)
-            self.metrics.record(out[-1], args)
+            # the last output is the metrics' sums (rewrite.add_metrics_output), kept
+            # until read: a copy where the next replay of a CUDA graph overwrites it
+            sums = out[-1].clone() if self.replayed else out[-1]
+            self.metrics.record(sums, args)
             out = out[:-1]
         if self.new_state:
             out = self._pair_new_state(out)
@@ -519,6 +544,8 @@ class _LoInputs:
         tensors they belong to (state the optimizer creates in the step)."""
         n = len(self.new_state)
         rems, out = out[-n:], out[:-n]
+        if self.replayed:  # the lo of a tensor outlives the next replay
+            rems = [r.clone() for r in rems]
         for k, rem in zip(self.new_state, rems):
             state.set_lo(out[k], rem)
         return out

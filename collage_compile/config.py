@@ -54,6 +54,15 @@ class CollageConfig:
         (docs/metrics.md).  ``"metered"``: only the calls inside ``measuring()``, that
         is the steps a ``metered`` loop reports.  Compiling takes twice as long (both
         graphs are compiled up front).
+    cudagraphs:
+        Have Inductor capture each compiled CUDA graph as a CUDA graph (its cudagraph
+        trees, what ``torch.compile(mode="reduce-overhead")`` turns on, which sets this
+        option for ``backend="collage"``), so a step's host cost is one replay whatever
+        the number of tensors.  Every ``lo`` the graph writes is a static input (its
+        address is fixed for the tensor's life), the optimizer watch runs outside the
+        graph, and a graph Inductor does not capture is named in a CollageWarning with
+        Inductor's reason.  Off by default: its speed and memory on a GPU have not been
+        measured yet (docs/speed.md).  Ignored on CPU, with a warning.
     """
 
     mode: str = "light"
@@ -61,6 +70,7 @@ class CollageConfig:
     plus_min_decay: float = 0.99
     metrics: bool = False
     every: int | Literal["metered"] = 1
+    cudagraphs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +81,8 @@ class CollageConfig:
             )
         if not isinstance(self.metrics, bool):
             raise TypeError(f"collage: metrics must be True or False, got {self.metrics!r}")
+        if not isinstance(self.cudagraphs, bool):
+            raise TypeError(f"collage: cudagraphs must be True or False, got {self.cudagraphs!r}")
         if self.every != "metered" and (
             isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
         ):

@@ -468,6 +468,7 @@ def add_lo_inputs(
             with gm.graph.inserting_after(anchor):
                 node = gm.graph.placeholder(f"collage_lo_{acc.node.name}")
         _compat.mark_new_input(node)
+        _compat.mark_static_input(node)
         # Dynamo's example values live in its tracing fake mode; AOTAutograd fakeifies the
         # backend's inputs in the tracing context's own mode (a different one on 2.13), so the
         # new input's example is made there, with the accumulator's (possibly symbolic) sizes.

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -76,21 +76,32 @@ def install() -> None:
             return
         _compat.after_every_optimizer_step(_after_step)
         _compat.on_recompile_limit(_recompile_limit_hit)
+        _compat.on_cudagraph_skip(_cudagraph_skipped)
         _installed = True
 
 
 class _InCall:
-    """Counts collage graph calls in progress: a step's check that runs inside one (the
+    """Collage graph calls and compiles in progress, each with what it updates (the
+    tensors, or the compiled frame): a step's check that runs inside a call (the
     optimizer step and the check in one graph) must not read the version counters of the
-    tensors that call is writing, which it stamps only when it returns."""
+    tensors that call is writing, which it stamps only when it returns; a CUDA graph
+    Inductor skips while one is in progress is named by it."""
 
     depth = 0
+    shown: ClassVar[list[str]] = []  # innermost last
+    _next = ""
+
+    def __call__(self, shown: str) -> _InCall:
+        _InCall._next = shown
+        return self
 
     def __enter__(self) -> None:
         _InCall.depth += 1
+        _InCall.shown.append(_InCall._next)
 
     def __exit__(self, *exc: Any) -> None:
         _InCall.depth -= 1
+        _InCall.shown.pop()
 
 
 in_call = _InCall()
@@ -253,6 +264,35 @@ def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> 
         f"by the backend; look for what else changes (TORCH_LOGS=recompiles), or raise "
         f"torch._dynamo.config.{limit}.",
         stacklevel=2,
+    )
+
+
+# --------------------------------------------------------------------- CUDA graph skips
+
+
+def _cudagraph_skipped(reason: str) -> None:
+    """Inductor did not capture a graph as a CUDA graph; named when a collage graph is
+    being compiled or called (``cudagraphs=True``): it stays compensated but pays the
+    host work of every kernel launch, which is what the option was asked to remove."""
+    if not _InCall.shown:
+        return
+    shown = _InCall.shown[-1]
+    warn_once(
+        ("cudagraph-skip", shown, reason.split("\n")[0][:200]),
+        f"collage: Inductor did not capture {shown} as a CUDA graph ({reason.strip()}). "
+        f"Its updates stay compensated; it runs kernel by kernel, each launched from the "
+        f"host, as without cudagraphs=True. TORCH_LOGS=cudagraphs shows where.",
+        stacklevel=2,
+    )
+
+
+def cudagraphs_on_cpu(shown: str) -> None:
+    """``cudagraphs=True`` for a graph with no CUDA tensor: said once."""
+    warn_once(
+        ("cudagraph-cpu",),
+        f"collage: cudagraphs=True (or mode='reduce-overhead') captures CUDA work as CUDA "
+        f"graphs; {shown} has no CUDA tensor, so it runs as compiled, without capture.",
+        stacklevel=3,
     )
 
 

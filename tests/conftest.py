@@ -120,12 +120,14 @@ class GraphCapture:
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.graphs: list[str] = []
         self.compact: list[str] = []
+        self.modules: list[torch.fx.GraphModule] = []
         original = _compat.compile_with_inductor
 
-        def spy(gm, example_inputs, config_patches=None):
+        def spy(gm, example_inputs, config_patches=None, cudagraphs=False):
             self.graphs.append(readable_with_chains(gm))
             self.compact.append(compact_graph(gm))
-            return original(gm, example_inputs, config_patches)
+            self.modules.append(gm)
+            return original(gm, example_inputs, config_patches, cudagraphs)
 
         monkeypatch.setattr(_compat, "compile_with_inductor", spy)
 

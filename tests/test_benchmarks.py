@@ -28,10 +28,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # AdamW's state per parameter: fp32 master 4 + bf16 copy 2 + fp32 m, v 8; bf16 p, m, v 6;
 # light adds the weight's lo, plus also v's lo; exact an int16 remainder of p, m and v;
 # optimi's Kahan buffer is a bf16 lo of its own; torchao keeps bf16 p, m, v (stochastic
-# rounding needs no buffer)
+# rounding needs no buffer); torch's fused AdamW keeps what its foreach form keeps
 STATE_BYTES = {
     "fp32 master (16,32)": 14,
     "plain bf16": 6,
+    "fp32 fused (16,32)": 14,
+    "bf16 fused": 6,
     "collage light": 8,
     "collage plus": 10,
     "collage exact": 12,

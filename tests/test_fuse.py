@@ -86,7 +86,7 @@ def _eager_plus_adamw(monkeypatch, outline: bool) -> tuple[list[torch.Tensor], s
     them, the rewritten graph as text)."""
     graphs = []
 
-    def eager(gm, example_inputs, config_patches=None):
+    def eager(gm, example_inputs, config_patches=None, cudagraphs=False):
         graphs.append(readable_with_chains(gm))
         return gm.forward
 

@@ -1,0 +1,192 @@
+"""What a CUDA graph needs from a collage step, checked where CI runs (a CPU).
+
+``cudagraphs=True`` (``torch.compile(..., mode="reduce-overhead")``) asks Inductor to
+capture every compiled graph as a CUDA graph, so a step costs one replay of host work.
+Inductor captures a graph only if it runs no Python, writes no CPU tensor, and writes
+only inputs whose address is fixed; these tests check each on the graphs the backend
+hands to Inductor.  Whether the capture happens, and what it saves, needs a GPU
+(``tests/test_triton.py``, docs/speed.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import relative_error
+from torch._dynamo.testing import CompileCounterWithBackend
+from user_optimizers import Lion
+
+import collage_compile
+from collage_compile import _compat
+
+Warning = collage_compile.CollageWarning
+STEPS = 40
+
+
+def _stream(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    drift = [torch.randn(s, generator=g) for s in shapes]  # a direction the steps agree on
+    grads = [
+        [(d + 0.5 * torch.randn(s, generator=g)).bfloat16() for s, d in zip(shapes, drift)]
+        for _ in range(STEPS)
+    ]
+    return start, grads
+
+
+def _run(start, grads, dtype, compile_step):
+    ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)
+    step = compile_step(opt)
+    for gs in grads:
+        for p, gr in zip(ps, gs):
+            p.grad = gr.to(dtype)
+        step()
+    return ps
+
+
+def test_reduce_overhead_on_cpu_compensates_and_says_once_that_nothing_is_captured():
+    """The user's own ``mode="reduce-overhead"`` reaches the backend (it rejected every
+    mode but the default before): on a CPU the step compiles, stays compensated, and one
+    CollageWarning says no CUDA graph is captured."""
+    start, grads = _stream([(16, 8), (8,)])
+    ref = _run(start, grads, torch.float64, lambda opt: opt.step)
+    plain = _run(start, grads, torch.bfloat16, lambda opt: opt.step)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        compiled = _run(
+            start,
+            grads,
+            torch.bfloat16,
+            lambda opt: torch.compile(opt.step, backend="collage", mode="reduce-overhead"),
+        )
+    said = [str(w.message) for w in rec if issubclass(w.category, Warning)]
+    assert len(said) == 1 and "has no CUDA tensor" in said[0], said
+    for p, r, p0, q in zip(compiled, ref, start, plain):
+        err = relative_error(collage_compile.value(p), r.detach(), p0)
+        plain_err = relative_error(q.detach(), r.detach(), p0)
+        print(f"collage {err:.3g}  plain bf16 {plain_err:.3g}")
+        assert err <= 0.02 < 0.5 < plain_err
+
+
+def test_every_input_a_rewritten_step_writes_keeps_its_address(monkeypatch):
+    """Under cudagraph trees Inductor captures a graph only if every input it writes is
+    static.  The step writes each parameter, its state and its lo: Dynamo marks the
+    first two static, the backend marks the lo (``_compat.mark_static_input``); without
+    that mark the lo inputs are the ones a capture would be refused for."""
+
+    def written_not_static(mark=True):
+        torch._dynamo.reset()
+        if not mark:
+            monkeypatch.setattr(_compat, "mark_static_input", lambda node: None)
+        start, grads = _stream([(16, 8), (8,), (8,)])
+        with _compat.cudagraph_inputs() as seen:
+            _run(
+                start,
+                grads[:2],
+                torch.bfloat16,
+                lambda opt: torch.compile(
+                    opt.step, backend=collage_compile.make_backend(mode="plus", cudagraphs=True)
+                ),
+            )
+        ((written, static),) = [s for s in seen if s[0]]
+        return written, written - static
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Warning)  # "no CUDA tensor": the test above
+        written, refused = written_not_static()
+        # 3 weights, 3 first moments, 3 second moments, 3 step counts, 3 + 3 lo
+        assert len(written) == 18 and refused == set()
+        _, unmarked = written_not_static(mark=False)
+    assert len(unmarked) == 6, unmarked  # the six lo
+
+
+def test_the_optimizer_watch_runs_after_a_graph_that_holds_the_step(capture):
+    """A step Dynamo captures whole (a user's optimizer) has the watch's op in its graph;
+    the backend takes it out (it runs Python on a CPU tensor, which keeps a CUDA graph
+    from being captured) and its wrapper runs the watch after the call: an EMA written
+    eagerly is named right after the next step, before its own graph runs again."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(32, generator=g).bfloat16())
+    opt = Lion([p], lr=1e-3)
+    counter = CompileCounterWithBackend(collage_compile.backend)
+    step = torch.compile(opt.step, backend=counter)
+    ema = [p.detach().clone()]
+
+    def ema_update():
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p], 0.01)
+
+    ema_step = torch.compile(ema_update, backend=collage_compile.backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)
+        for _ in range(3):
+            p.grad = torch.randn(32, generator=g).bfloat16()
+            step()
+            ema_step()
+    tick = "collage.optimizer_stepped"
+    assert any(_compat.has_step_ticks(gm) for gm in counter.graphs)
+    assert capture.graphs and not any(tick in text for text in capture.graphs)
+    with torch.no_grad():
+        ema[0].mul_(0.5)  # eagerly: the pair's lo no longer belongs to it
+    p.grad = torch.randn(32, generator=g).bfloat16()
+    with pytest.warns(Warning, match="written outside every collage-compiled step"):
+        step()
+
+
+def test_a_graph_inductor_does_not_capture_is_named_by_what_it_updates():
+    """Inductor says it skips a capture through ``log_cudagraph_skip_and_bump_counter``
+    (at compile time, or when cudagraph trees first run a graph); while a collage graph
+    is being compiled or called, the backend turns that into a CollageWarning naming the
+    graph.  Skips outside a collage graph are Inductor's to report."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from collage_compile import watch
+
+    watch.install()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a reason of its own")
+        with watch.in_call("the graph that updates fc1.weight"):
+            log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1)")
+    said = [str(w.message) for w in rec if issubclass(w.category, Warning)]
+    assert len(said) == 1, said
+    assert "the graph that updates fc1.weight as a CUDA graph" in said[0]
+    assert "mutated inputs (1)" in said[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_step_is_captured_once_and_replayed_compensated():
+    """On a GPU: ``mode="reduce-overhead"`` captures the collage step (no cudagraph skip,
+    no CollageWarning) and every replay stays compensated against float64."""
+    from torch._dynamo.utils import counters
+
+    start, grads = _stream([(256, 64), (64,)])
+    dev = [[gr.cuda() for gr in gs] for gs in grads]
+    ref = _run([t.cuda() for t in start], dev, torch.float64, lambda opt: opt.step)
+    plain = _run([t.cuda() for t in start], dev, torch.bfloat16, lambda opt: opt.step)
+    skips = counters["inductor"]["cudagraph_skips"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)
+        compiled = _run(
+            [t.cuda() for t in start],
+            dev,
+            torch.bfloat16,
+            lambda opt: torch.compile(opt.step, backend="collage", mode="reduce-overhead"),
+        )
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    for p, r, p0, q in zip(compiled, ref, start, plain):
+        err = relative_error(collage_compile.value(p).cpu(), r.detach().cpu(), p0)
+        plain_err = relative_error(q.detach().cpu(), r.detach().cpu(), p0)
+        assert err <= 0.02 < 0.5 < plain_err, (err, plain_err)
+
+
+def test_a_mode_the_backend_does_not_take_is_refused_by_name():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD([p], lr=0.1)
+    step = torch.compile(opt.step, backend="collage", mode="max-autotune")
+    with pytest.raises(Exception, match="only 'default' and 'reduce-overhead'"):
+        step()
