@@ -182,6 +182,7 @@ class Settings:
     compile_forward: bool
     seed: int
     device: str
+    clip: float | None = None  # clip_grad_norm_ before every step (None: no clipping)
 
 
 def lr_factor(s: Settings) -> Callable[[int], float]:
@@ -228,11 +229,13 @@ def _sync(device: str) -> None:
 class Strategy:
     """What the training loop needs of one strategy: the optimizer its schedule steps, the
     optimizer step, the tensors it keeps between steps, and how a sampled step is measured
-    (``snapshot`` before it, untimed; ``measured`` around it; ``metrics`` after it)."""
+    (``snapshot`` before it, untimed; ``measured`` around it; ``metrics`` after it), and
+    the context its forward passes run in (``autocast``: mixed precision's)."""
 
     opt: torch.optim.Optimizer
     step: Callable[[], None]
     persistent: Callable[[], list[torch.Tensor]]
+    autocast: Callable[[], Any] = contextlib.nullcontext
     snapshot: Callable[[], Any] = lambda: None
     measured: Callable[[], Any] = contextlib.nullcontext
     metrics: Callable[[Any], dict[str, float]] = lambda _: collage_compile.last_metrics()
@@ -246,13 +249,13 @@ def fp32_master(params: dict[str, torch.Tensor], s: Settings) -> Strategy:
     for every lr and runs the step eagerly from its eighth value on."""
     masters = {k: p.detach().float().requires_grad_() for k, p in params.items()}
     opt = torch.optim.AdamW(param_groups(masters, s.weight_decay), **_adamw(s))
-    compiled = torch.compile(opt.step, backend=collage_compile.make_backend(mode="off"))
+    collage_compile.compile_optimizer(opt, mode="off")
     model_p, master_p = list(params.values()), list(masters.values())
 
     def step() -> None:
         for m, p in zip(master_p, model_p):
             m.grad = p.grad.float()
-        compiled()
+        opt.step()  # looked up per call: the LR scheduler wraps it after this
         with torch.no_grad():
             for p, m in zip(model_p, master_p):
                 p.copy_(m)
@@ -273,10 +276,12 @@ def bf16_only(params: dict[str, torch.Tensor], s: Settings, mode: str) -> Strate
     inside the compiled step on the sampled steps alone (``every="metered"``)."""
     opt = torch.optim.AdamW(param_groups(params, s.weight_decay), **_adamw(s))
     every = "metered" if s.metrics else 1
-    backend = collage_compile.make_backend(mode=mode, metrics=s.metrics, every=every)
-    step = torch.compile(opt.step, backend=backend)
+    collage_compile.compile_optimizer(opt, mode=mode, metrics=s.metrics, every=every)
     return Strategy(
-        opt, step, lambda: list(params.values()) + _state(opt), measured=collage_compile.measuring
+        opt,
+        lambda: opt.step(),  # looked up per call: the LR scheduler wraps it after this
+        lambda: list(params.values()) + _state(opt),
+        measured=collage_compile.measuring,
     )
 
 
@@ -354,10 +359,11 @@ class _Run:
         s = self.s
         self.curve["step"].append(step)
         for split, data in (("train", self.train), ("val", self.val)):
-            losses = [
-                self.fwd(*get_batch(data, st, s.block_size, s.device)).item()
-                for st in self.eval_starts[split]
-            ]
+            with self.st.autocast():
+                losses = [
+                    self.fwd(*get_batch(data, st, s.block_size, s.device)).item()
+                    for st in self.eval_starts[split]
+                ]
             self.curve[split].append(statistics.fmean(losses))
 
     def loop(self, progress: Callable[..., Any]) -> None:
@@ -371,10 +377,13 @@ class _Run:
             before = st.snapshot() if sampled else None
             _sync(s.device)
             t0 = time.perf_counter()
-            loss = self.fwd(x, y)
+            with st.autocast():
+                loss = self.fwd(x, y)
             st.opt.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             loss.backward()
+            if s.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
             _sync(s.device)
             t1 = time.perf_counter()
             with st.measured() if sampled else contextlib.nullcontext():
@@ -417,6 +426,8 @@ class _Run:
             "edq_curve": self.edq,
             "ms_per_step": _quantile(warm, 0.2),
             "opt_ms_per_step": _quantile(warm_opt, 0.2),
+            # forward + backward (+ clipping): each step less its optimizer step
+            "fwd_bwd_ms_per_step": _quantile([t - o for t, o in zip(warm, warm_opt)], 0.2),
             "ms_per_step_median": statistics.median(warm),
             "opt_ms_per_step_median": statistics.median(warm_opt),
             "step_ms": self.step_ms,
@@ -428,6 +439,7 @@ class _Run:
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         }
         out["bytes_per_param"] = out["persistent_bytes"] / n_params
+        out["tokens_per_s"] = self.s.batch_size * self.s.block_size / (out["ms_per_step"] / 1e3)
         for k in ("edq", "edq_hi", "imprecision"):
             vals = [v for v in self.edq[k] if not math.isnan(v)]
             out[k] = statistics.fmean(vals) if vals else None

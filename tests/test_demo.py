@@ -103,3 +103,34 @@ def _logits(model: demo.GPT, idx: torch.Tensor) -> torch.Tensor:
     for block in model.blocks:
         x = block(x)
     return model.lm_head(model.ln_f(x))
+
+
+def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
+    """examples/train_llama.py (the GPU main job) as a CPU smoke test: a one-layer Hugging
+    Face Llama, each strategy a few steps under HF's cosine schedule with clipping; every
+    row is there with finite numbers, its time columns add up, its state is what the
+    strategy keeps, and no collage strategy gave a CollageWarning."""
+    pytest.importorskip("transformers")
+    from collage_compile import demo_llama
+
+    argv = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+    argv += ["--block-size", "16", "--batch-size", "4", "--eval-every", "3"]
+    argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path)]
+    result = demo_llama.run(argv)
+    saved = json.loads((tmp_path / "train_llama.json").read_text())
+    assert saved["table"] == result["table"]
+    rows = {r["strategy"]: r for r in result["results"]}
+    assert list(rows) == list(demo_llama.STRATEGIES)
+    # fp32 weights and m, v (12); bf16 p, m, v (6); + the weights' lo (8); at beta2 = 0.95
+    # plus keeps the second moment plain (below plus_min_decay = 0.99), as light does
+    state = {"fp32-amp": 12, "bf16": 6, "collage-light": 8, "collage-plus": 8}
+    for name, r in rows.items():
+        assert math.isfinite(r["final_val_loss"]) and len(r["step_loss"]) == 6, name
+        assert r["bytes_per_param"] == pytest.approx(state[name], abs=0.01), name
+        assert 0 < r["opt_ms_per_step"] < r["ms_per_step"], name
+        assert r["tokens_per_s"] == pytest.approx(4 * 16 / (r["ms_per_step"] / 1e3)), name
+        if name.startswith("collage"):
+            assert r["collage_warnings"] == [], name
+        else:  # a fused AdamW on bf16 weights is named as plain bf16 once the watch is on
+            assert all("fused=True" in w for w in r["collage_warnings"]), name
+    assert f"| collage-light | {rows['collage-light']['final_val_loss']:.4f} |" in result["table"]

@@ -31,6 +31,7 @@ RTOL = 0.25  # measured errors move with the CPU's vector width; counts must mat
 ELSEWHERE = {
     "python examples/train_gpt.py": "2-3 minutes warm; tests/test_demo.py runs it at a tiny size",
     "python -m collage_compile.demo": "the same as examples/train_gpt.py",
+    "python examples/train_llama.py": "a GPU; tests/test_demo.py runs it at a tiny size on CPU",
     "python examples/edq.py": "four 1M-element runs; tests/test_metrics.py checks the metrics",
     "python -m benchmarks.step": "minutes; tests/test_benchmarks.py runs it at a tiny size",
     "python -m benchmarks.compile_time": "cold compiles in fresh processes, minutes each",

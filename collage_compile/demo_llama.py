@@ -1,0 +1,284 @@
+"""Train a Hugging Face Llama with each precision strategy side by side: the GPU main job.
+
+    python examples/train_llama.py                      # on a GPU: --device cuda
+    python examples/train_llama.py --strategies fp32-amp,collage-light --cudagraphs
+
+A ``transformers.LlamaForCausalLM`` built from a config (default: 8 layers x 512, 25.2M
+parameters, a byte vocabulary of 256) is trained four ways from the same bf16 weights on the
+same batches, the way its users train it: AdamW (betas 0.9/0.95, weight decay 0.1 on
+matrices only), ``get_cosine_schedule_with_warmup`` from lr = 0, ``clip_grad_norm_(1.0)``:
+
+================  ==========================================================================
+``fp32-amp``      fp32 weights and AdamW state, bf16 autocast, ``AdamW(fused=True)``
+``bf16``          bf16 weights and state, ``AdamW(fused=True)``: plain bf16 arithmetic
+``collage-light`` bf16 weights and state, ``compile_optimizer(opt, mode="light")``
+``collage-plus``  the same with ``mode="plus"`` (AdamW's second moment as a pair too)
+================  ==========================================================================
+
+It prints, per strategy: validation loss and its gap to fp32-amp, tokens/s, the train step's
+time, the optimizer step's and forward + backward's, peak memory (CUDA), bytes per parameter
+kept, and the CollageWarnings the run gave.  The loop, data and measurements are the GPT
+demo's (:mod:`collage_compile.demo`): text shipped with Python, no download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import collage_compile
+from collage_compile import demo
+
+STRATEGIES = ("fp32-amp", "bf16", "collage-light", "collage-plus")
+MODES = {"collage-light": "light", "collage-plus": "plus"}
+
+
+class ByteLlama(nn.Module):
+    """``LlamaForCausalLM`` over bytes, called as the demo's loop calls its model:
+    ``model(idx, targets) -> loss`` (the targets are the inputs shifted by one already)."""
+
+    def __init__(self, s: demo.Settings):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=s.n_embd,
+            intermediate_size=max(64, int(8 * s.n_embd / 3) // 64 * 64),
+            num_hidden_layers=s.n_layer,
+            num_attention_heads=s.n_head,
+            num_key_value_heads=s.n_head,
+            max_position_embeddings=s.block_size,
+            tie_word_embeddings=False,
+        )
+        self.llama = LlamaForCausalLM(config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.llama(input_ids=idx).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _adamw(s: demo.Settings, params: dict[str, torch.Tensor], **kw: Any) -> torch.optim.AdamW:
+    groups = demo.param_groups(params, s.weight_decay)
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(s.beta1, s.beta2), **kw)
+
+
+def fp32_amp(params: dict[str, torch.Tensor], s: demo.Settings) -> demo.Strategy:
+    """fp32 weights and state, bf16 autocast, torch's fused AdamW."""
+    opt = _adamw(s, params, fused=True)
+    device = torch.device(s.device).type
+    return demo.Strategy(
+        opt,
+        lambda: opt.step(),  # looked up per call: the LR scheduler wraps it after this
+        lambda: list(params.values()) + demo._state(opt),
+        autocast=lambda: torch.autocast(device, torch.bfloat16),
+    )
+
+
+def bf16_fused(params: dict[str, torch.Tensor], s: demo.Settings) -> demo.Strategy:
+    """bf16 weights and state, torch's fused AdamW: plain bf16 arithmetic."""
+    opt = _adamw(s, params, fused=True)
+    return demo.Strategy(opt, lambda: opt.step(), lambda: list(params.values()) + demo._state(opt))
+
+
+def collage(
+    params: dict[str, torch.Tensor], s: demo.Settings, mode: str, cudagraphs: bool
+) -> demo.Strategy:
+    """bf16 weights and state, the stock foreach AdamW compiled by the backend."""
+    opt = _adamw(s, params, foreach=True)
+    collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=cudagraphs)
+    return demo.Strategy(opt, lambda: opt.step(), lambda: list(params.values()) + demo._state(opt))
+
+
+def train_one(
+    strategy: str,
+    init: dict[str, torch.Tensor],
+    train: torch.Tensor,
+    val: torch.Tensor,
+    s: demo.Settings,
+    cudagraphs: bool,
+    progress: Callable[..., Any],
+) -> dict[str, Any]:
+    """One strategy from the shared bf16 init; its numbers and the CollageWarnings given."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    torch._dynamo.reset()
+    if s.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dtype = torch.float32 if strategy == "fp32-amp" else torch.bfloat16
+    model = ByteLlama(s).to(s.device, dtype)
+    model.load_state_dict(init)
+    params = dict(model.named_parameters())
+    if strategy == "fp32-amp":
+        st = fp32_amp(params, s)
+    elif strategy == "bf16":
+        st = bf16_fused(params, s)
+    else:
+        st = collage(params, s, MODES[strategy], cudagraphs)
+    sched = get_cosine_schedule_with_warmup(st.opt, s.warmup, s.steps)
+    run = demo._Run(strategy, st, sched, model, model, train, val, s)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        run.loop(progress)
+    said = [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
+    for w in rec:  # the others are not ours to swallow
+        if not issubclass(w.category, collage_compile.CollageWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    out = run.summary(sum(p.numel() for p in params.values()), time.perf_counter() - t0)
+    out["collage_warnings"] = said
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The side-by-side table (plain text, also valid as a Markdown table)."""
+    ref = next((r for r in results if r["strategy"] == "fp32-amp"), None)
+    head = (
+        "| strategy | val loss | vs fp32-amp | tokens/s | step ms | opt ms | fwd+bwd ms "
+        "| peak memory | bytes/param | CollageWarnings |"
+    )
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    for r in results:
+        gap = (
+            f"{100 * (r['final_val_loss'] / ref['final_val_loss'] - 1):+.2f} %"
+            if ref is not None
+            else "-"
+        )
+        peak = r["peak_memory_bytes"]
+        lines.append(
+            f"| {r['strategy']} | {r['final_val_loss']:.4f} | {gap} | {r['tokens_per_s']:.0f} "
+            f"| {r['ms_per_step']:.2f} | {r['opt_ms_per_step']:.2f} "
+            f"| {r['fwd_bwd_ms_per_step']:.2f} "
+            f"| {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} "
+            f"| {r['bytes_per_param']:.2f} | {len(r['collage_warnings'])} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="train_llama",
+        description="Train a Hugging Face Llama with each precision strategy side by side.",
+    )
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    ap.add_argument("--warmup", type=int, default=None, help="default: a tenth of --steps")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_ max norm")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=512)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="train_llama_out", help="folder for the JSON")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="collage strategies with cudagraphs=True (each step one CUDA graph replay)",
+    )
+    args = ap.parse_args(argv)
+    bad = set(args.strategies.split(",")) - set(STRATEGIES)
+    if bad:
+        ap.error(f"unknown strategies {sorted(bad)}; choose from {', '.join(STRATEGIES)}")
+    return args
+
+
+def settings(args: argparse.Namespace) -> demo.Settings:
+    return demo.Settings(
+        steps=args.steps,
+        lr=args.lr,
+        schedule="cosine",
+        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
+        beta1=0.9,
+        beta2=0.95,
+        weight_decay=args.weight_decay,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        metrics=False,
+        compile_forward=False,
+        seed=args.seed,
+        device=args.device,
+        clip=args.clip,
+    )
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every strategy; print the table; returns what the JSON holds."""
+    args = parse_args(argv)
+    logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(
+        lambda r: "Profiler record function" not in r.getMessage()
+    )
+    s = settings(args)
+    train, val, data_desc = demo.load_data(None)
+    torch.manual_seed(s.seed)
+    init = {k: v.to(torch.bfloat16) for k, v in ByteLlama(s).state_dict().items()}
+    n_params = sum(v.numel() for v in init.values())
+    header = (
+        f"LlamaForCausalLM, {n_params / 1e6:.1f}M params ({s.n_layer} layers x {s.n_embd}, "
+        f"{s.n_head} heads, bytes), {s.batch_size}x{s.block_size} tokens a step, {s.steps} "
+        f"steps, AdamW lr={s.lr:g} (HF cosine, {s.warmup}-step warmup from 0), betas "
+        f"(0.9, 0.95), wd {s.weight_decay:g} on matrices, clip {s.clip:g}; {s.device}, torch "
+        f"{torch.__version__}\ndata: {data_desc}"
+    )
+    print(header, flush=True)
+    strategies = [k for k in STRATEGIES if k in args.strategies.split(",")]
+    t0 = time.perf_counter()
+    results = [
+        train_one(k, init, train, val, s, args.cudagraphs, demo._progress()) for k in strategies
+    ]
+    text = table(results)
+    print(
+        f"\n{text}\nstep ms: train step (forward, backward, clipping, optimizer); opt ms: the "
+        "optimizer step; fwd+bwd ms: the rest; each the 20th percentile of the steps after "
+        "the first 3 (which compile). peak memory: CUDA only.",
+        flush=True,
+    )
+    for r in results:
+        for w in dict.fromkeys(r["collage_warnings"]):
+            print(f"{r['strategy']}: {w}")
+    result = demo._finite(
+        {
+            "settings": dataclasses.asdict(s),
+            "cudagraphs": args.cudagraphs,
+            "n_params": n_params,
+            "torch": torch.__version__,
+            "total_s": time.perf_counter() - t0,
+            "table": text,
+            "results": results,
+        }
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_llama.json").write_text(json.dumps(result, indent=1, allow_nan=False))
+    print(f"wrote {out / 'train_llama.json'}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run(argv)
+
+
+if __name__ == "__main__":
+    main()
