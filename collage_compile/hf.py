@@ -14,17 +14,29 @@ torch is ``adamw_torch_fused``, one opaque kernel no backend can rewrite: before
 step (no state yet, nothing to convert) the callback switches its groups to ``fused=False``,
 the same AdamW arithmetic in traceable form, and logs that it did.
 
+With ``CollageCallback(metrics=True)`` the steps the Trainer logs are measured inside the
+compiled step (``every="metered"`` unless given: the others run unmeasured) and their EDQ
+goes into the Trainer's logs as ``collage/edq``, ``collage/edq_hi``, ``collage/imprecision``
+and ``collage/lo_rel`` (:func:`collage_compile.last_metrics`): into ``state.log_history``
+and to every ``report_to`` integration, whose callbacks the Trainer calls before a user's
+(the callback moves itself to the front of the Trainer's callback list when training
+begins, so its ``on_log`` fills the log dict before theirs read it).
+
 Importing this module imports ``transformers``; ``import collage_compile`` does not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
+from collage_compile.metrics import last_metrics, measuring
 from collage_compile.optim import compile_optimizer
 
 __all__ = ["CollageCallback"]
@@ -37,7 +49,12 @@ class CollageCallback(TrainerCallback):
     of :func:`collage_compile.make_backend`) when training begins."""
 
     def __init__(self, **options: Any):
+        self.metrics = bool(options.get("metrics"))
+        if self.metrics:
+            options = {"every": "metered", **options}
         self.options = options
+        self._open = contextlib.ExitStack()
+        self._measured_step: int | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
@@ -46,6 +63,61 @@ class CollageCallback(TrainerCallback):
         inner = _unwrap(optimizer)
         _unfuse(inner)
         compile_optimizer(inner, **self.options)
+        if self.metrics:
+            _go_first(self)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.metrics and _logs_next(args, state):
+            self._open.enter_context(measuring())
+            self._measured_step = state.global_step + 1
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._open.close()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if not self.metrics or logs is None or "loss" not in logs:
+            return
+        if self._measured_step != state.global_step:
+            return  # a log the step before could not foresee: no stale numbers
+        m = {f"collage/{k}": v for k, v in last_metrics().items()}
+        logs.update(m)
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "loss" in last:
+            last.update(m)  # the Trainer appended this log before calling the callbacks
+
+
+def _logs_next(args: Any, state: Any) -> bool:
+    """Whether the Trainer will log after the optimizer step about to run (its
+    ``DefaultFlowCallback`` decides after the step; by steps this is the same rule; by
+    epoch or a custom flow, every step is measured)."""
+    step = state.global_step + 1
+    if step == 1 and args.logging_first_step:
+        return True
+    if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
+        return True
+    every = state.logging_steps
+    return bool(every) and step % every == 0
+
+
+def _go_first(callback: CollageCallback) -> None:
+    """Move ``callback`` to the front of the ``CallbackHandler`` calling it now (found on
+    the call stack: the Trainer does not hand callbacks to a callback), so its ``on_log``
+    adds the metrics before the integrations' read the log dict."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back if frame is not None else None
+            owner = frame.f_locals.get("self") if frame is not None else None
+            if isinstance(owner, CallbackHandler) and any(c is callback for c in owner.callbacks):
+                owner.callbacks.remove(callback)
+                owner.callbacks.insert(0, callback)
+                return
+    finally:
+        del frame
+    log.warning(
+        "collage: CollageCallback found no Trainer callback list above it; the EDQ it adds "
+        "to the logs reaches state.log_history but not report_to integrations called before it"
+    )
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:

@@ -48,20 +48,20 @@ def _data():
     return out
 
 
-def _train(base, dtype, callbacks, out_dir):
+def _train(base, dtype, callbacks, out_dir, logging_steps=1000, warmup_steps=4):
     model = copy.deepcopy(base).to(dtype)
     args = transformers.TrainingArguments(
         output_dir=str(out_dir),
         max_steps=24,
         per_device_train_batch_size=4,
         learning_rate=1e-4,
-        warmup_steps=4,
+        warmup_steps=warmup_steps,
         lr_scheduler_type="cosine",
         weight_decay=0.1,
         report_to=[],
         save_strategy="no",
         use_cpu=True,
-        logging_steps=1000,
+        logging_steps=logging_steps,
         seed=0,
         data_seed=0,
         disable_tqdm=True,
@@ -110,3 +110,46 @@ def test_trainer_with_collage_callback_tracks_fp32_master(tmp_path, mode):
     print(f"Trainer, vs fp32 master: collage {mode} {err:.2e}  plain bf16 {plain_err:.2f}")
     assert err <= BOUND[mode]
     assert plain_err >= max(0.3, 10 * err)
+
+
+class _Integration(transformers.TrainerCallback):
+    """Stands for a ``report_to`` integration (TensorBoard, W&B): registered before the
+    user's callbacks, it records each log dict as its ``on_log`` receives it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+@pytest.mark.parametrize("mode", ["light", "off"])
+def test_the_callback_puts_edq_into_the_trainers_logs(tmp_path, mode):
+    """``CollageCallback(metrics=True)``: each logged step is measured inside the compiled
+    step and its EDQ reaches the log dict an integration registered before the callback
+    reads, and the Trainer's log history.  Collage applies the whole update; plain bf16
+    (``mode="off"``, measured the same way) visibly does not."""
+    integration = _Integration()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", collage_compile.CollageWarning)
+        _, trainer = _train(
+            _model(),
+            torch.bfloat16,
+            [integration, CollageCallback(mode=mode, metrics=True)],
+            tmp_path,
+            logging_steps=8,
+            # no step at lr = 0: plain Inductor's AdamW (mode="off") writes NaN there
+            warmup_steps=0,
+        )
+    train_logs = [entry for entry in integration.seen if "loss" in entry]
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(train_logs) == len(history) == 3  # steps 8, 16, 24
+    for seen, kept in zip(train_logs, history):
+        assert seen["collage/edq"] == kept["collage/edq"]
+        assert {"collage/edq_hi", "collage/imprecision", "collage/lo_rel"} <= set(seen)
+    edq = [entry["collage/edq"] for entry in history]
+    print(f"mode={mode}: EDQ at the logged steps {edq}")
+    if mode == "light":  # the last step's update is the cosine's tail, near the pair's ulp
+        assert min(edq[:2]) > 0.999 and edq[2] > 0.95
+    else:
+        assert max(edq) < 0.9
