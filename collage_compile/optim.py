@@ -23,7 +23,10 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     """Compile ``optimizer.step`` with the collage backend (``options``: those of
     :func:`collage_compile.make_backend`) and install it as the optimizer's ``step``.
 
-    Returns the optimizer.  Calling it again does nothing.  A ``fused=True`` optimizer is
+    Returns the optimizer.  Calling it again does nothing.  ``step(closure)`` calls the
+    closure eagerly (with grad enabled, as torch.optim does), then the compiled step, and
+    returns the closure's loss; LBFGS, whose step calls its closure repeatedly, is refused.
+    A ``fused=True`` optimizer is
     one opaque kernel that no backend can rewrite: a ``ValueError`` says so (build it with
     ``fused=False``; :class:`collage_compile.hf.CollageCallback` switches a trainer's
     default fused AdamW before its first step).
@@ -43,12 +46,26 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             f"torch.compile does not trace (param_groups {fused}); build it with fused=False "
             "(foreach=True or the default) to have its step upgraded"
         )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "collage: LBFGS calls its closure many times inside step (a line search); "
+            "compile_optimizer runs a closure once, before the compiled step, as every other "
+            "torch.optim optimizer does"
+        )
     watch.install()
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
 
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        return compiled(*args, **kwargs)
+    def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if closure is None:
+            return compiled(*args, **kwargs)
+        # torch.optim's step calls the closure first, with grad enabled, and returns its
+        # loss: done here, outside the compiled step, into which Dynamo would otherwise
+        # trace the closure's forward and backward (Lightning passes one on every step)
+        with torch.enable_grad():
+            loss = closure()
+        compiled(*args, **kwargs)
+        return loss
 
     step._collage_compiled = True  # type: ignore[attr-defined]
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
