@@ -497,20 +497,27 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def table_head(head: str) -> list[str]:
+    """A Markdown table's header and rule (the first column left-aligned, the rest right)."""
+    return [head, "|---|" + "---:|" * (head.count("|") - 2)]
+
+
+def val_gap(r: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """``r``'s final validation loss relative to ``ref``'s, in percent."""
+    if ref is None:
+        return "-"
+    return f"{100 * (r['final_val_loss'] / ref['final_val_loss'] - 1):+.2f} %"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """The side-by-side table (plain text, also valid as a Markdown table)."""
     ref = next((r for r in results if r["strategy"] == "fp32-master"), None)
-    head = (
+    lines = table_head(
         "| strategy | train loss | val loss | val vs fp32-master | EDQ | EDQ hi | imprecision "
         "| ms/step | opt ms/step | bytes/param | peak memory |"
     )
-    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for r in results:
-        rel = (
-            f"{100 * (r['final_val_loss'] / ref['final_val_loss'] - 1):+.2f} %"
-            if ref is not None
-            else "-"
-        )
+        rel = val_gap(r, ref)
         peak = r["peak_memory_bytes"]
         lines.append(
             f"| {r['strategy']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} "
@@ -650,10 +657,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="compile forward and backward with Inductor (default: eager)",
     )
     args = ap.parse_args(argv)
-    bad = set(args.strategies.split(",")) - set(STRATEGIES)
-    if bad:
-        ap.error(f"unknown strategies {sorted(bad)}; choose from {', '.join(STRATEGIES)}")
+    check_strategies(ap, args.strategies, STRATEGIES)
     return args
+
+
+def check_strategies(ap: argparse.ArgumentParser, chosen: str, known: Sequence[str]) -> None:
+    """``--strategies``: a comma-separated subset of ``known``, or an argparse error."""
+    bad = set(chosen.split(",")) - set(known)
+    if bad:
+        ap.error(f"unknown strategies {sorted(bad)}; choose from {', '.join(known)}")
 
 
 def _describe_schedule(s: Settings) -> str:

@@ -145,17 +145,12 @@ def train_one(
 def table(results: list[dict[str, Any]]) -> str:
     """The side-by-side table (plain text, also valid as a Markdown table)."""
     ref = next((r for r in results if r["strategy"] == "fp32-amp"), None)
-    head = (
+    lines = demo.table_head(
         "| strategy | val loss | vs fp32-amp | tokens/s | step ms | opt ms | fwd+bwd ms "
         "| peak memory | bytes/param | CollageWarnings |"
     )
-    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for r in results:
-        gap = (
-            f"{100 * (r['final_val_loss'] / ref['final_val_loss'] - 1):+.2f} %"
-            if ref is not None
-            else "-"
-        )
+        gap = demo.val_gap(r, ref)
         peak = r["peak_memory_bytes"]
         lines.append(
             f"| {r['strategy']} | {r['final_val_loss']:.4f} | {gap} | {r['tokens_per_s']:.0f} "
@@ -194,9 +189,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="collage strategies with cudagraphs=True (each step one CUDA graph replay)",
     )
     args = ap.parse_args(argv)
-    bad = set(args.strategies.split(",")) - set(STRATEGIES)
-    if bad:
-        ap.error(f"unknown strategies {sorted(bad)}; choose from {', '.join(STRATEGIES)}")
+    demo.check_strategies(ap, args.strategies, STRATEGIES)
     return args
 
 
