@@ -35,6 +35,7 @@ ELSEWHERE = {
     "python examples/edq.py": "four 1M-element runs; tests/test_metrics.py checks the metrics",
     "python -m benchmarks.step": "minutes; tests/test_benchmarks.py runs it at a tiny size",
     "python -m benchmarks.compile_time": "cold compiles in fresh processes, minutes each",
+    "python -m benchmarks.compile_profile": "a profiled cold compile, minutes",
     "python -m benchmarks.metrics_overhead": "minutes of timing",
     "python -m benchmarks.rounding": "timing, under a minute",
     "python -m benchmarks.host": "timing, a minute; tests/test_host_cost.py counts the host work",
