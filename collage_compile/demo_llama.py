@@ -166,6 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="train_llama",
         description="Train a Hugging Face Llama with each precision strategy side by side.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
@@ -182,7 +183,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="train_llama_out", help="folder for the JSON")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="a comma-separated subset of these"
+    )
     ap.add_argument(
         "--cudagraphs",
         action="store_true",
@@ -229,7 +232,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     init = {k: v.to(torch.bfloat16) for k, v in ByteLlama(s).state_dict().items()}
     n_params = sum(v.numel() for v in init.values())
     header = (
-        f"LlamaForCausalLM, {n_params / 1e6:.1f}M params ({s.n_layer} layers x {s.n_embd}, "
+        f"LlamaForCausalLM, {n_params / 1e6:.2f}M params ({s.n_layer} layers x {s.n_embd}, "
         f"{s.n_head} heads, bytes), {s.batch_size}x{s.block_size} tokens a step, {s.steps} "
         f"steps, AdamW lr={s.lr:g} (HF cosine, {s.warmup}-step warmup from 0), betas "
         f"(0.9, 0.95), wd {s.weight_decay:g} on matrices, clip {s.clip:g}; {s.device}, torch "
@@ -245,7 +248,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         f"\n{text}\nstep ms: train step (forward, backward, clipping, optimizer); opt ms: the "
         "optimizer step; fwd+bwd ms: the rest; each the 20th percentile of the steps after "
-        "the first 3 (which compile). peak memory: CUDA only.",
+        "the first 3 (which compile). peak memory: CUDA only."
+        + (
+            f" With {s.steps} steps these timings are a smoke test, not a measurement."
+            if s.steps < 50
+            else ""
+        ),
         flush=True,
     )
     for r in results:

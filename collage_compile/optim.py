@@ -52,6 +52,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             "compile_optimizer runs a closure once, before the compiled step, as every other "
             "torch.optim optimizer does"
         )
+    _warn_if_nothing_to_upgrade(optimizer, options)
     watch.install()
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
@@ -75,6 +76,30 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
+    """fp32 parameters need no pair: compiling them changes nothing, which a user who
+    asked for collage (``precision="bf16-mixed"`` in Lightning, FSDP2's mixed precision
+    over fp32 parameters) must hear about once."""
+    from collage_compile.diagnostics import warn_once
+    from collage_compile.mcf import LOW_PRECISION
+
+    if options.get("mode") == "off":
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or any(getattr(p, "dtype", None) in LOW_PRECISION for p in params):
+        return
+    name = type(optimizer).__name__
+    dtype = str(params[0].dtype).replace("torch.", "")
+    warn_once(
+        ("nothing-to-upgrade", name, dtype),
+        f"collage: {name} holds no bf16 or fp16 parameter (they are {dtype}): there is "
+        f"nothing to compensate, and its step runs as plain Inductor would run it. For "
+        f"bf16 weights without an fp32 copy, make the parameters bf16 (model.to(torch."
+        f"bfloat16); Lightning precision='bf16-true'; torchtitan training.dtype='bfloat16').",
+        stacklevel=4,
+    )
 
 
 def _grad_scaler() -> type:

@@ -134,3 +134,20 @@ def test_a_closure_runs_once_before_the_compiled_step_and_its_loss_is_returned()
     assert torch.equal(p.detach(), torch.full((4,), 0.5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="LBFGS calls its closure"):
         collage_compile.compile_optimizer(torch.optim.LBFGS([p]))
+
+
+def test_mixed_precision_weights_are_fp32_and_the_callback_says_nothing_is_upgraded():
+    """``precision="bf16-mixed"`` keeps fp32 weights: there is nothing to compensate, and a
+    user who added the callback hears so once, by name (not an INFO line)."""
+    trainer = L.Trainer(
+        max_steps=1,
+        precision="bf16-mixed",
+        callbacks=[CollageCallback()],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(collage_compile.CollageWarning, match="holds no bf16 or fp16 parameter"):
+        trainer.fit(Regressor(), _loader())
