@@ -184,6 +184,16 @@ class Settings:
     device: str
     clip: float | None = None  # clip_grad_norm_ before every step (None: no clipping)
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **fixed: Any) -> Settings:
+        """The fields a command line gives by name (``--warmup`` defaulting to a tenth of
+        ``--steps``), then ``fixed``."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        if values.get("warmup") is None:
+            values["warmup"] = max(1, args.steps // 10)
+        return cls(**{**values, **fixed})
+
 
 def lr_factor(s: Settings) -> Callable[[int], float]:
     """The learning rate's multiplier at each step: a linear warmup to the peak over
@@ -689,26 +699,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("collage-demo: --device cuda asked for, but torch sees no CUDA device")
-    s = Settings(
-        steps=args.steps,
-        lr=args.lr,
-        schedule=args.schedule,
-        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
-        beta1=args.beta1,
-        beta2=args.beta2,
-        weight_decay=args.weight_decay,
-        batch_size=args.batch_size,
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        metrics=not args.no_metrics,
-        compile_forward=args.compile_forward,
-        seed=args.seed,
-        device=args.device,
-    )
+    s = Settings.from_args(args, metrics=not args.no_metrics)
     strategies = [k for k in STRATEGIES if k in args.strategies.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

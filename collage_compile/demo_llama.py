@@ -197,26 +197,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def settings(args: argparse.Namespace) -> demo.Settings:
-    return demo.Settings(
-        steps=args.steps,
-        lr=args.lr,
-        schedule="cosine",
-        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 10),
-        beta1=0.9,
-        beta2=0.95,
-        weight_decay=args.weight_decay,
-        batch_size=args.batch_size,
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        metrics=False,
-        compile_forward=False,
-        seed=args.seed,
-        device=args.device,
-        clip=args.clip,
+    return demo.Settings.from_args(
+        args, schedule="cosine", beta1=0.9, beta2=0.95, metrics=False, compile_forward=False
     )
 
 
