@@ -4,8 +4,8 @@ A LightningModule whose ``configure_optimizers`` returns a stock AdamW and a war
 scheduler stepped every step, trained by Lightning's own ``Trainer`` as its users train:
 ``precision="bf16-true"``, ``gradient_clip_val``, ``accumulate_grad_batches`` (so every
 optimizer step gets Lightning's closure), a checkpoint saved by ``trainer.save_checkpoint``
-and resumed by ``fit(ckpt_path=...)``.  Compared with the same Trainer on fp32 weights
-(``"32-true"``) and on bf16 weights without the callback.
+and resumed by ``fit(ckpt_path=...)``.  Compared with the same Trainer on float64 weights
+(``"64-true"``, the reference) and on bf16 weights without the callback.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _everything(module, trainer):
 
 def test_lightning_trains_compensated_and_resumes_bit_for_bit(tmp_path):
     start = Regressor()
-    ref, _ = _fit("32-true", [])
+    ref, _ = _fit("64-true", [])
     plain, _ = _fit("bf16-true", [])
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
@@ -108,7 +108,7 @@ def test_lightning_trains_compensated_and_resumes_bit_for_bit(tmp_path):
         return (num / den) ** 0.5
 
     err, plain_err = error(collage, True), error(plain, False)
-    print(f"Lightning, vs fp32 weights: collage light {err:.2e}  plain bf16 {plain_err:.2f}")
+    print(f"Lightning, vs float64 weights: collage light {err:.2e}  plain bf16 {plain_err:.2f}")
     assert err <= 0.05 and plain_err >= max(0.3, 10 * err)
 
     # the checkpoint carried every lo: the resumed run is the uninterrupted one, bit for bit
