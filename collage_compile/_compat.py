@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 CHECKED_TORCH_VERSIONS = ("2.11", "2.13")
 
@@ -337,7 +338,14 @@ def mark_static_input(node: fx.Node) -> None:
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copied graph; Dynamo reads the original's placeholders after
-    the backend returns, so the graph it hands us is never mutated."""
+    the backend returns, so the graph it hands us is never mutated.
+
+    The copy is a ``_LazyGraphModule`` (as Dynamo's own graphs are, 2.11 and 2.13): its
+    ``recompile()`` only marks the Python code stale, which is generated when something
+    reads or runs it.  A rewritten graph goes straight to AOTAutograd, whose cache key
+    renames the placeholders and recompiles twice (``normalize_placeholder_names``); an
+    eager GraphModule generated the code of a graph of thousands of nodes each time, four
+    times per compile, a tenth of a warm compile at 300 tensors."""
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, val_map)
@@ -345,7 +353,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for old, new in val_map.items():
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
-    new_gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new_gm = _LazyGraphModule(gm, graph, class_name=type(gm).__name__)
     new_gm.meta = dict(gm.meta)
     for attr in ("_param_name_to_source", "shape_env", "compile_subgraph_reason"):
         if hasattr(gm, attr):
@@ -1010,11 +1018,20 @@ def _lower_per_node(gm: fx.GraphModule, inputs: list[Any]) -> list[Any]:
     raise AssertionError("an aten graph without an output")
 
 
-def fake_mode_of_tensor(t: torch.Tensor) -> Any:
-    """A context in which new tensors are made like ``t``: its fake mode, if it is fake."""
-    import contextlib
+def fake_like(
+    t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A new empty tensor of ``shape``, ``stride`` and ``dtype`` on ``t``'s device, fake
+    in ``t``'s fake mode if ``t`` is fake.  A FakeTensor is built straight over a meta
+    tensor, as the fake mode builds its outputs (``FakeTensor.__new__``, 2.11 and 2.13):
+    ``torch.empty_strided`` under the mode costs five times as much, and a rewrite makes
+    two per tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    return t.fake_mode if is_fake(t) else contextlib.nullcontext()
+    if not is_fake(t):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=t.device)
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.device)
 
 
 def output_meta(

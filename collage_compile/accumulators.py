@@ -240,6 +240,9 @@ class GraphInfo:
         self._by_storage: dict[Any, list[Accumulator]] = {}
         # positions of every in-place write, per storage, over the whole graph
         self._write_positions: dict[Any, list[int]] = {}
+        # id(value) -> (value, its storage key): the analysis asks for the same few values'
+        # keys tens of times per tensor (the value is kept so its id is not reused)
+        self._keys: dict[int, tuple[Any, Any]] = {}
         self._find_candidates(example_inputs)
         self._find_writes()
 
@@ -253,7 +256,7 @@ class GraphInfo:
             ex = _compat.example_value(node)
             if not isinstance(ex, torch.Tensor) or ex.dtype not in LOW_PRECISION:
                 continue
-            key = storage_key(ex)
+            key = self.storage_key(ex)
             if key is None:  # e.g. sparse: no storage to alias
                 continue
             real = None
@@ -288,7 +291,7 @@ class GraphInfo:
         names that one; any other view of a storage holding accumulators may touch each of
         them, so it names them all, as partial.
         """
-        key = storage_key(value)
+        key = self.storage_key(value)
         accs = self._by_storage.get(key, []) if key is not None else []
         for acc in accs:
             if same_view(value, acc.example):
@@ -297,7 +300,7 @@ class GraphInfo:
 
     def aliases(self, acc: Accumulator) -> list[Accumulator]:
         """Every input of the graph on ``acc``'s storage, ``acc`` first."""
-        others = self._by_storage.get(storage_key(acc.example), [])
+        others = self._by_storage.get(self.storage_key(acc.example), [])
         return [acc, *[a for a in others if a is not acc]]
 
     def accumulators_of_node(self, node: Any) -> list[tuple[Accumulator, bool]]:
@@ -320,7 +323,14 @@ class GraphInfo:
             return set()
         ex = _compat.example_value(node)
         vals = ex if isinstance(ex, (list, tuple)) else [ex]
-        return {k for v in vals if (k := storage_key(v)) is not None}
+        return {k for v in vals if (k := self.storage_key(v)) is not None}
+
+    def storage_key(self, value: Any) -> Any:
+        """:func:`storage_key`, remembered per value."""
+        hit = self._keys.get(id(value))
+        if hit is None:
+            hit = self._keys[id(value)] = (value, storage_key(value))
+        return hit[1]
 
     def written_storages(self) -> set[Any]:
         """Storage keys of every tensor the graph writes in place (temporaries included)."""

@@ -221,7 +221,8 @@ def _compile_rewritten(
         return _measure_only(original, gm, info, measured_sites, example_inputs, config)
 
     chains = rewrite.plan_chains(info, ctx.sites, unsupported)
-    upgraded = [acc for acc in info.accumulators if any(c.acc is acc for c in chains)]
+    chained = {id(c.acc) for c in chains}
+    upgraded = [acc for acc in info.accumulators if id(acc) in chained]
     watch.compiled_frame(
         _compat.current_frame(),
         [

@@ -143,11 +143,7 @@ def outline(
                 _SHAPE_FREE[structure] = aten
         _GRAPHS[key] = aten
         _OUT_META[key] = _compat.output_meta(aten, examples)
-    with _compat.fake_mode_of_tensor(examples[0]):
-        out_examples = [
-            torch.empty_strided(shape, stride, dtype=dtype, device=examples[0].device)
-            for shape, stride, dtype in _OUT_META[key]
-        ]
+    out_examples = [_compat.fake_like(examples[0], *meta) for meta in _OUT_META[key]]
 
     _register_lowering()
     # every input is defined before the region's last node (some, a foreach result's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Callable
@@ -102,11 +103,18 @@ def bind(
     family does not handle).
     """
     try:
-        bound = inspect.signature(signature_of).bind(*args, **kwargs)
+        bound = _signature(signature_of).bind(*args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
     return tuple(bound.arguments.values())
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    # once per function: inspect.signature parses it anew on every call, and every write
+    # of every tensor is bound (a tenth of the rewrite at 1000 tensors)
+    return inspect.signature(fn)
 
 
 def is_number(x: Any) -> bool:
