@@ -132,6 +132,16 @@ def has_step_ticks(gm: fx.GraphModule) -> bool:
     return op is not None and bool(gm.graph.find_nodes(op="call_function", target=op))
 
 
+def step_tick_ids(gm: fx.GraphModule) -> list[int]:
+    """The ids of the optimizers whose ``collage::optimizer_stepped`` nodes ``gm`` holds,
+    in graph order (what :func:`take_step_ticks` takes out)."""
+    op = _step_tick_op()
+    if op is None:
+        return []
+    nodes = gm.graph.find_nodes(op="call_function", target=op)
+    return [n.args[0] for n in nodes if not n.users and isinstance(n.args[0], int)]
+
+
 def take_step_ticks(gm: fx.GraphModule) -> list[int]:
     """Remove the ``collage::optimizer_stepped`` nodes from ``gm`` (in place) and return
     their optimizers' ids, in graph order: the caller runs :func:`run_step_ticks` after

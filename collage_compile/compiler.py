@@ -159,8 +159,8 @@ def _compile_graph(
     if _compat.is_step_tick_graph(gm):
         return gm.forward  # the optimizer watch's call after a step: nothing to compile
     names.learn(gm, list(example_inputs))
-    original, ticks = _without_step_ticks(gm)
-    compiled = _compile_rewritten(original, example_inputs, config, record)
+    ticks = _compat.step_tick_ids(gm)
+    compiled = _compile_rewritten(gm, example_inputs, config, record)
     if isinstance(compiled, _LoInputs):
         compiled.ticks = ticks
         compiled.replayed = config.cudagraphs
@@ -168,16 +168,17 @@ def _compile_graph(
     return _StepTicks(compiled, ticks) if ticks else compiled
 
 
-def _without_step_ticks(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[int]]:
+def _without_step_ticks(gm: fx.GraphModule) -> fx.GraphModule:
     """Dynamo's graph without the optimizer watch's ticks (a copy: Dynamo's own is never
-    mutated), and the ids of the optimizers whose steps they followed: the wrapper runs
-    the watch after each call instead (:func:`_compat.take_step_ticks`)."""
+    mutated): the wrapper runs the watch after each call instead
+    (:func:`_compat.take_step_ticks`).  What a graph that is compiled as Dynamo captured
+    it gets; a rewrite takes the ticks out of its own copy."""
     if not _compat.has_step_ticks(gm):
-        return gm, []
+        return gm
     copy = _compat.copy_graph_module(gm)
-    ticks = _compat.take_step_ticks(copy)
+    _compat.take_step_ticks(copy)
     copy.recompile()
-    return copy, ticks
+    return copy
 
 
 class _StepTicks:
@@ -199,6 +200,7 @@ def _compile_rewritten(
     from collage_compile import modes, passes, rewrite
 
     gm = _compat.copy_graph_module(original)
+    _compat.take_step_ticks(gm)
     normalized = passes.normalize(gm, config)
     # every low-precision tensor starts eligible: the families claim what they understand,
     # then the mode keeps what it upgrades (modes.select)
@@ -249,7 +251,7 @@ def _compile_rewritten(
             gm.recompile()
             original = gm
         compiled = _compat.compile_with_inductor(
-            original, example_inputs, cudagraphs=config.cudagraphs
+            _without_step_ticks(original), example_inputs, cudagraphs=config.cudagraphs
         )
         return _LoInputs(compiled, [], unchained) if unchained else compiled
 
@@ -296,7 +298,9 @@ def _compile_exact(
     if not info.writes and not any(normalized.values()):
         if record:
             report.record(report.GraphReport.build(info, {}, [], config))
-        return _compat.compile_with_inductor(original, example_inputs, cudagraphs=config.cudagraphs)
+        return _compat.compile_with_inductor(
+            _without_step_ticks(original), example_inputs, cudagraphs=config.cudagraphs
+        )
     c = exact.compile_exact(gm, info, sites, example_inputs, config, record)
     return _LoInputs(
         c.fn,
@@ -335,6 +339,8 @@ def _measure_only(
         gm.graph.lint()
         gm.recompile()
         original = gm
+    else:
+        original = _without_step_ticks(original)
     # Inductor's own settings: its choice of what to materialize decides which bf16
     # temporaries are rounded, and "off" promises plain Inductor's arithmetic
     compiled = _compat.compile_with_inductor(original, example_inputs, cudagraphs=config.cudagraphs)
