@@ -28,6 +28,7 @@ runs the inline ops shard by shard).  Metrics chains stay inline too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import operator
@@ -39,7 +40,7 @@ import torch.fx as fx
 
 from collage_compile import _compat
 
-__all__ = ["chain_graph", "outline"]
+__all__ = ["Outlined", "call_again", "chain_graph", "outline"]
 
 # key -> the chain's arithmetic as aten ops, and its outputs' (shape, stride, dtype)
 _GRAPHS: dict[str, fx.GraphModule] = {}
@@ -95,9 +96,9 @@ def outline(
     outputs: Sequence[fx.Node],
     grad_enabled: bool,
     group: int = -1,
-) -> bool:
+) -> Outlined | None:
     """Replace ``region`` (a chain's nodes, in graph order) by one ``collage::chain`` call
-    producing ``outputs``; False, and the graph untouched, when the chain must stay inline.
+    producing ``outputs``; None, and the graph untouched, when the chain must stay inline.
     ``grad_enabled``: the grad mode where the chain runs (the op has no autograd formula,
     so a chain that autograd would record stays inline).  ``group``: a number shared by
     the chains that replace one foreach op (-1: none), so that Inductor can lower them as
@@ -110,27 +111,21 @@ def outline(
     ]
     members = set(region)
     if not all(o in members for o in outputs):
-        return False
+        return None
     inputs: list[fx.Node] = []
     for node in region:
         if node.op not in ("call_function", "call_method"):
-            return False
+            return None
         for a in node.all_input_nodes:
             if a not in members and a not in inputs:
                 inputs.append(a)
         if node not in outputs and any(u not in members for u in node.users):
-            return False
-    examples = [_compat.example_value(n) for n in inputs]
-    if not examples or not all(_concrete_tensor(t) for t in examples):
-        return False
-    if len({t.device for t in examples}) != 1:
-        return False
-    if grad_enabled and any(t.requires_grad for t in examples):
-        return False
-
+            return None
+    examples = _outlinable(inputs, grad_enabled)
+    if examples is None:
+        return None
     structure = _signature(region, inputs, outputs, examples)
-    layout = ";".join(f"{tuple(t.shape)}:{tuple(t.stride())}" for t in examples)
-    key = "chain_" + hashlib.sha256(f"{structure}\n{layout}".encode()).hexdigest()[:20]
+    key = _key(structure, examples)
     if key not in _GRAPHS:
         # chains of the same arithmetic on tensors of other shapes share one trace unless
         # the trace names a size (a shape-free trace is pointwise ops on whole tensors)
@@ -138,32 +133,87 @@ def outline(
         if aten is None:
             aten = _trace(region, inputs, outputs, examples)
             if aten is None:
-                return False
+                return None
             if _shape_free(aten):
                 _SHAPE_FREE[structure] = aten
         _GRAPHS[key] = aten
         _OUT_META[key] = _compat.output_meta(aten, examples)
-    out_examples = [_compat.fake_like(examples[0], *meta) for meta in _OUT_META[key]]
-
-    _register_lowering()
     # every input is defined before the region's last node (some, a foreach result's
     # elements, only just before the node that reads them)
     with graph.inserting_before(region[-1]):
-        args = (key, list(inputs)) if group < 0 else (key, list(inputs), group)
-        call = graph.call_function(torch.ops.collage.chain.default, args)
-        _compat.set_example_value(call, list(out_examples))
-        call.meta["val"] = list(out_examples)
-        items = []
-        for i, ex in enumerate(out_examples):
-            item = graph.call_function(operator.getitem, (call, i))
-            _compat.set_example_value(item, ex)
-            item.meta["val"] = ex
-            items.append(item)
+        items = _call(graph, key, inputs, examples, group)
     for o, item in zip(outputs, items):
         o.replace_all_uses_with(item)
     for node in reversed(region):
         graph.erase_node(node)
-    return True
+    return Outlined(structure, inputs, items)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlined:
+    """What :func:`outline` made: the chain's arithmetic (its structure, as keyed), its
+    inputs in the call's order, and the nodes of the call's outputs."""
+
+    structure: str
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+
+
+def call_again(
+    graph: fx.Graph, structure: str, inputs: list[fx.Node], grad_enabled: bool, group: int = -1
+) -> list[fx.Node] | None:
+    """One ``collage::chain`` call, at the graph's insertion point, of arithmetic
+    ``structure`` (an earlier :func:`outline`'s) on ``inputs``: the call :func:`outline`
+    makes of a chain of that arithmetic on these inputs, made without the chain's nodes.
+    Its output nodes; None when the call cannot be made so (the inputs must stay inline,
+    or the arithmetic was traced for sizes other than theirs)."""
+    examples = _outlinable(inputs, grad_enabled)
+    if examples is None:
+        return None
+    key = _key(structure, examples)
+    if key not in _GRAPHS:
+        aten = _SHAPE_FREE.get(structure)
+        if aten is None:
+            return None
+        _GRAPHS[key] = aten
+        _OUT_META[key] = _compat.output_meta(aten, examples)
+    return _call(graph, key, inputs, examples, group)
+
+
+def _outlinable(inputs: list[fx.Node], grad_enabled: bool) -> list[torch.Tensor] | None:
+    """The inputs' example values, or None when a chain reading them must stay inline."""
+    examples = [_compat.example_value(n) for n in inputs]
+    if not examples or not all(_concrete_tensor(t) for t in examples):
+        return None
+    if len({t.device for t in examples}) != 1:
+        return None
+    if grad_enabled and any(t.requires_grad for t in examples):
+        return None
+    return examples
+
+
+def _key(structure: str, examples: list[torch.Tensor]) -> str:
+    layout = ";".join(f"{tuple(t.shape)}:{tuple(t.stride())}" for t in examples)
+    return "chain_" + hashlib.sha256(f"{structure}\n{layout}".encode()).hexdigest()[:20]
+
+
+def _call(
+    graph: fx.Graph, key: str, inputs: list[fx.Node], examples: list[torch.Tensor], group: int
+) -> list[fx.Node]:
+    """The call node and a ``getitem`` per output, at the graph's insertion point."""
+    _register_lowering()
+    out_examples = [_compat.fake_like(examples[0], *meta) for meta in _OUT_META[key]]
+    args = (key, list(inputs)) if group < 0 else (key, list(inputs), group)
+    call = graph.call_function(torch.ops.collage.chain.default, args)
+    _compat.set_example_value(call, list(out_examples))
+    call.meta["val"] = list(out_examples)
+    items = []
+    for i, ex in enumerate(out_examples):
+        item = graph.call_function(operator.getitem, (call, i))
+        _compat.set_example_value(item, ex)
+        item.meta["val"] = ex
+        items.append(item)
+    return items
 
 
 def _trace(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, fuse, mcf, state
+from collage_compile import _compat, fuse, mcf, reuse, state
 from collage_compile.accumulators import (
     _PER_ELEMENT_SCALAR_TENSOR,
     VIEW_METHODS,
@@ -508,11 +508,15 @@ def emit(
     # the chains that one foreach op's write ends: one group of horizontally fused kernels,
     # as Inductor lowers the foreach op itself (Triton; the C++ backend fuses them anyway)
     ends = [c.sites[-1].write.node for c in chains]
+    hoisted = em.scalars.values()
+    plans = reuse.Reuse(lambda n: n in info.positions or n in hoisted)
     for chain in chains:
         last = chain.sites[-1].write.node
         acc = chain.acc
         em.hoist_scalars(chain)
         first_new = last.prev
+        group = info.positions[last] if ends.count(last) > 1 else -1
+        plan = None
         with graph.inserting_before(last):
             hi = em.proxy(acc.node)
             lo = em.proxy(acc.lo_node)
@@ -524,6 +528,15 @@ def emit(
             measure = metrics and acc.role == "param"
             # the stores may round hi and lo themselves unless the pair is used again later
             stored = not measure and used_until.get(acc, -1) <= info.positions[last]
+            if outline and not measure:
+                head = (arithmetic, acc.dtype, stored, grad_enabled[last])
+                plan = plans.plan(acc.node, acc.lo_node, steps, head)
+            made = plan and plans.call(graph, plan, grad_enabled[last], group)
+            if made:  # the call an earlier chain of this plan made, on this chain's tensors
+                hi.copy_(em.proxy(made[0]))
+                lo.copy_(em.proxy(made[1]))
+                _tag(first_new, last, chain)
+                continue
             new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype, stored=stored)
             if measure:
                 old_hi, old_lo = hi.float(), lo.float()
@@ -538,14 +551,11 @@ def emit(
             while node.target != "copy_":
                 region.append(node)
                 node = node.next
-            group = info.positions[last] if ends.count(last) > 1 else -1
-            fuse.outline(graph, region, [new_hi.node, new_lo.node], grad_enabled[last], group)
-        # tag the chain's nodes (what a compact printout of the graph folds into one line)
-        summary = _describe_chain(chain)
-        node = first_new.next
-        while node is not last:
-            node.meta["collage_chain"] = summary
-            node = node.next
+            outs = [new_hi.node, new_lo.node]
+            outlined = fuse.outline(graph, region, outs, grad_enabled[last], group)
+            if plan is not None:
+                plans.learn(plan, outlined)
+        _tag(first_new, last, chain)
     # an unsupported write leaves the pair consistent: lo restarts from zero after it
     for w in unsupported:
         if w.acc.lo_node is None:
@@ -554,6 +564,15 @@ def emit(
             em.proxy(w.acc.lo_node).zero_()
     _remove_claimed(gm, info, [s for c in chains for s in c.sites])
     return measured
+
+
+def _tag(first_new: fx.Node, last: fx.Node, chain: Chain) -> None:
+    """Tag a chain's nodes (what a compact printout of the graph folds into one line)."""
+    summary = _describe_chain(chain)
+    node = first_new.next
+    while node is not last:
+        node.meta["collage_chain"] = summary
+        node = node.next
 
 
 def _grad_mode_at(graph: fx.Graph) -> dict[fx.Node, bool]:

@@ -19,7 +19,7 @@ from conftest import (
 )
 
 import collage_compile
-from collage_compile import _compat, fuse
+from collage_compile import _compat, fuse, state, watch
 
 
 def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", steps: int = 40):
@@ -27,7 +27,7 @@ def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", st
     compiled, with its float64 reference and the number of ``collage::chain`` nodes in the
     graphs handed to Inductor."""
     if not outline:
-        monkeypatch.setattr(fuse, "outline", lambda *a, **k: False)
+        monkeypatch.setattr(fuse, "outline", lambda *a, **k: None)
     capture = GraphCapture(monkeypatch)
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (32,), (48, 16)]
@@ -93,7 +93,7 @@ def _eager_plus_adamw(monkeypatch, outline: bool) -> tuple[list[torch.Tensor], s
     with monkeypatch.context() as m:
         m.setattr(_compat, "compile_with_inductor", eager)
         if not outline:
-            m.setattr(fuse, "outline", lambda *a, **k: False)
+            m.setattr(fuse, "outline", lambda *a, **k: None)
         torch._dynamo.reset()
         g = torch.Generator().manual_seed(0)
         shapes = [(8, 4), (4,)]
@@ -186,3 +186,93 @@ def test_inductor_walks_few_more_loop_bodies_than_for_plain_bf16(foreach):
     assert plus_nodes <= plain_nodes + 5 * n_params, (plus_nodes, plain_nodes)
     assert light_ops <= 1.6 * plain_ops, (light_ops, plain_ops)
     assert plus_ops <= 2.0 * plain_ops, (plus_ops, plain_ops)
+
+
+def _canonical(gm: torch.fx.GraphModule) -> str:
+    """A graph's nodes with their targets and arguments, nodes named by position (names
+    depend on how many nodes were made and erased before)."""
+    index: dict[torch.fx.Node, int] = {}
+    lines = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        lines.append(f"{n.op} {n.target if n.op != 'placeholder' else ''} {args}")
+    return "\n".join(lines)
+
+
+def _rewritten_steps(monkeypatch, reuse_plans: bool) -> tuple[list[str], int]:
+    """The graphs the backend hands Inductor for a few users' steps (run eagerly: the graph
+    is the point here, the numerics tests run the same code through Inductor), and how
+    many chains were made by reusing an earlier chain's plan."""
+    from collage_compile import reuse
+
+    graphs: list[str] = []
+    calls = []
+    call_again = fuse.call_again
+
+    def counted(*a, **k):
+        out = call_again(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    def eager(gm, example_inputs, config_patches=None, cudagraphs=False):
+        graphs.append(_canonical(gm))
+        return gm.forward
+
+    with monkeypatch.context() as m:
+        m.setattr(_compat, "compile_with_inductor", eager)
+        m.setattr(reuse, "ENABLED", reuse_plans)
+        m.setattr(fuse, "call_again", counted)
+        _compat.reset_dynamo()
+        state.clear()
+        watch.reset()
+        g = torch.Generator().manual_seed(0)
+        # plans differ by dtype, not by shape (a chain's trace is reused for another
+        # shape where it is shape-free)
+        shapes = [(8, 4), (4,), (8, 4), (4,), (8, 4), (3, 5), (8, 4), (6,), (8, 4)]
+        half = (3, 6)
+        ps = [
+            torch.nn.Parameter(
+                torch.randn(s, generator=g).to(torch.float16 if i in half else torch.bfloat16)
+            )
+            for i, s in enumerate(shapes)
+        ]
+        # AdamW plus with a schedule (the lr a symbolic float after the first change),
+        # SGD with Nesterov momentum light, Adam one tensor at a time, an EMA's lerp
+        adamw = torch.optim.AdamW(ps[:5], lr=1e-3, weight_decay=0.1, foreach=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: 1.0 / (k + 1))
+        sgd = torch.optim.SGD(ps[5:], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+        adam = torch.optim.Adam(ps[5:], lr=1e-3, foreach=False)
+        ema = [p.detach().clone() for p in ps[:4]]
+        steps = [
+            torch.compile(adamw.step, backend=collage_compile.make_backend(mode="plus")),
+            torch.compile(sgd.step, backend=collage_compile.make_backend(mode="light")),
+            torch.compile(adam.step, backend=collage_compile.make_backend(mode="plus")),
+        ]
+        update_ema = torch.compile(
+            lambda: torch._foreach_lerp_(ema, [p.detach() for p in ps[:4]], 0.1),
+            backend="collage",
+        )
+        for _ in range(3):
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+            for step in steps:
+                step()
+            sched.step()
+            update_ema()
+    return graphs, sum(calls)
+
+
+def test_a_chain_of_an_earlier_chains_plan_is_its_call_on_other_tensors(monkeypatch):
+    """``collage_compile.reuse``: a chain whose plan an earlier chain checked is emitted as
+    that chain's call on its own inputs, without building its nodes; every graph is the one
+    the full build makes, node for node (the numerics of such graphs are every other
+    test's)."""
+    built, none_reused = _rewritten_steps(monkeypatch, reuse_plans=False)
+    reused, calls = _rewritten_steps(monkeypatch, reuse_plans=True)
+    assert none_reused == 0
+    assert calls > 0, "no chain was made from an earlier chain's plan"
+    assert len(reused) == len(built) >= 4
+    assert any("lerp" in g or "collage.chain" in g for g in built[-1:])
+    for i, (a, b) in enumerate(zip(built, reused)):
+        assert a == b, f"graph {i} differs when chains reuse plans"
