@@ -17,6 +17,10 @@ round runs two fresh Python processes that share a fresh Inductor cache director
 * ``warm``: a second process compiles the first optimizer's step again, with the cache the
   first one filled (the next run of the same job).
 
+Each timed compile starts after ``gc.collect()``: a cold compile leaves millions of objects
+behind, and a full collection of them (seconds) otherwise lands in whichever compile
+allocates next, the ``2nd opt`` of one variant and not of another.
+
 Variants are interleaved within a round (these machines are noisy); each number is the
 median over rounds, and each ratio is the median of the rounds' ratios to plain's time in
 the same round, which follows the machine's slow drifts less than a ratio of medians.
@@ -25,6 +29,7 @@ the same round, which follows the machine's slow drifts less than a ratio of med
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -61,6 +66,9 @@ def _compile_once(variant: str, shapes: list, device: str) -> float:
     from benchmarks.metrics_overhead import sync
 
     step = adamw_step(variant, shapes, device)
+    # the previous compile's garbage (millions of objects after a cold one) is collected
+    # before the clock starts, not by whichever compile's allocations trigger it next
+    gc.collect()
     t0 = time.perf_counter()
     step()
     sync(device)

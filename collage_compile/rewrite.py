@@ -14,6 +14,7 @@ with the write), or when an operand of one of its steps is written before the ch
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 from collections.abc import Iterator
@@ -507,7 +508,7 @@ def emit(
     grad_enabled = _grad_mode_at(graph)
     # the chains that one foreach op's write ends: one group of horizontally fused kernels,
     # as Inductor lowers the foreach op itself (Triton; the C++ backend fuses them anyway)
-    ends = [c.sites[-1].write.node for c in chains]
+    ends = collections.Counter(c.sites[-1].write.node for c in chains)
     hoisted = em.scalars.values()
     plans = reuse.Reuse(lambda n: n in info.positions or n in hoisted)
     for chain in chains:
@@ -515,7 +516,7 @@ def emit(
         acc = chain.acc
         em.hoist_scalars(chain)
         first_new = last.prev
-        group = info.positions[last] if ends.count(last) > 1 else -1
+        group = info.positions[last] if ends[last] > 1 else -1
         plan = None
         with graph.inserting_before(last):
             hi = em.proxy(acc.node)
