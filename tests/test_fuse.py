@@ -22,7 +22,14 @@ import collage_compile
 from collage_compile import _compat, fuse, state, watch
 
 
-def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", steps: int = 40):
+def _adamw_run(
+    outline: bool,
+    monkeypatch,
+    foreach: bool,
+    mode: str = "plus",
+    steps: int = 40,
+    shapes: tuple[tuple[int, ...], ...] = ((64, 32), (32,), (48, 16)),
+):
     """The same AdamW stream through collage (``mode``) or plain Inductor (``mode=None``),
     compiled, with its float64 reference and the number of ``collage::chain`` nodes in the
     graphs handed to Inductor."""
@@ -30,7 +37,6 @@ def _adamw_run(outline: bool, monkeypatch, foreach: bool, mode: str = "plus", st
         monkeypatch.setattr(fuse, "outline", lambda *a, **k: None)
     capture = GraphCapture(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (32,), (48, 16)]
     ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).bfloat16()) for s in shapes]
     start = [p.detach().double().clone() for p in ps]
     refs = [s.clone().requires_grad_() for s in start]
@@ -276,3 +282,37 @@ def test_a_chain_of_an_earlier_chains_plan_is_its_call_on_other_tensors(monkeypa
     assert any("lerp" in g or "collage.chain" in g for g in built[-1:])
     for i, (a, b) in enumerate(zip(built, reused)):
         assert a == b, f"graph {i} differs when chains reuse plans"
+
+
+def test_chains_made_from_an_earlier_chains_plan_compute_what_built_chains_compute(monkeypatch):
+    """Compiled by Inductor: AdamW plus over five tensors, with chains made from an earlier
+    chain's plan and with every chain built, gives the same bits, tracks the float64 run,
+    and carries what plain bf16 loses on the same stream."""
+    from collage_compile import reuse
+
+    shapes = ((32, 16),) * 4 + ((16,),)
+    made = []
+    call_again = fuse.call_again
+
+    def counted(*a, **k):
+        out = call_again(*a, **k)
+        made.append(out is not None)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(fuse, "call_again", counted)
+        reused, refs, start, _ = _adamw_run(True, m, True, steps=30, shapes=shapes)
+    assert sum(made) >= 4, "chains made from an earlier chain's plan"
+    torch._dynamo.reset()
+    with monkeypatch.context() as m:
+        m.setattr(reuse, "ENABLED", False)
+        built, _, _, _ = _adamw_run(True, m, True, steps=30, shapes=shapes)
+    for p, q in zip(reused, built):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(collage_compile.components(p)[1], collage_compile.components(q)[1])
+    torch._dynamo.reset()
+    plain, _, _, _ = _adamw_run(True, monkeypatch, True, mode=None, steps=30, shapes=shapes)
+    for p, q, r, s in zip(reused, plain, refs, start):
+        err = relative_error(mcf_value(p), r.detach(), s)
+        plain_err = relative_error(q.detach().double(), r.detach(), s)
+        assert err < plain_err / 10, (err, plain_err)
