@@ -126,18 +126,13 @@ def outline(
         return None
     structure = _signature(region, inputs, outputs, examples)
     key = _key(structure, examples)
-    if key not in _GRAPHS:
-        # chains of the same arithmetic on tensors of other shapes share one trace unless
-        # the trace names a size (a shape-free trace is pointwise ops on whole tensors)
-        aten = _SHAPE_FREE.get(structure)
+    if not _known(key, structure, examples):
+        aten = _trace(region, inputs, outputs, examples)
         if aten is None:
-            aten = _trace(region, inputs, outputs, examples)
-            if aten is None:
-                return None
-            if _shape_free(aten):
-                _SHAPE_FREE[structure] = aten
-        _GRAPHS[key] = aten
-        _OUT_META[key] = _compat.output_meta(aten, examples)
+            return None
+        if _shape_free(aten):
+            _SHAPE_FREE[structure] = aten
+        _register(key, aten, examples)
     # every input is defined before the region's last node (some, a foreach result's
     # elements, only just before the node that reads them)
     with graph.inserting_before(region[-1]):
@@ -171,13 +166,28 @@ def call_again(
     if examples is None:
         return None
     key = _key(structure, examples)
-    if key not in _GRAPHS:
-        aten = _SHAPE_FREE.get(structure)
-        if aten is None:
-            return None
-        _GRAPHS[key] = aten
-        _OUT_META[key] = _compat.output_meta(aten, examples)
+    if not _known(key, structure, examples):
+        return None
     return _call(graph, key, inputs, examples, group)
+
+
+def _known(key: str, structure: str, examples: list[torch.Tensor]) -> bool:
+    """Whether ``key`` has its aten graph, registering it from the shape-free trace of
+    ``structure`` if there is one: chains of the same arithmetic on tensors of other shapes
+    share one trace unless the trace names a size (a shape-free trace is pointwise ops on
+    whole tensors)."""
+    if key in _GRAPHS:
+        return True
+    aten = _SHAPE_FREE.get(structure)
+    if aten is None:
+        return False
+    _register(key, aten, examples)
+    return True
+
+
+def _register(key: str, aten: fx.GraphModule, examples: list[torch.Tensor]) -> None:
+    _GRAPHS[key] = aten
+    _OUT_META[key] = _compat.output_meta(aten, examples)
 
 
 def _outlinable(inputs: list[fx.Node], grad_enabled: bool) -> list[torch.Tensor] | None:
