@@ -206,6 +206,21 @@ def _canonical(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
+def _count_reuse(m: pytest.MonkeyPatch) -> list[bool]:
+    """A list that gets, for every chain made from an earlier chain's plan
+    (:func:`fuse.call_again`), whether it was made so."""
+    made: list[bool] = []
+    call_again = fuse.call_again
+
+    def counted(*a, **k):
+        out = call_again(*a, **k)
+        made.append(out is not None)
+        return out
+
+    m.setattr(fuse, "call_again", counted)
+    return made
+
+
 def _rewritten_steps(monkeypatch, reuse_plans: bool) -> tuple[list[str], int]:
     """The graphs the backend hands Inductor for a few users' steps (run eagerly: the graph
     is the point here, the numerics tests run the same code through Inductor), and how
@@ -213,13 +228,6 @@ def _rewritten_steps(monkeypatch, reuse_plans: bool) -> tuple[list[str], int]:
     from collage_compile import reuse
 
     graphs: list[str] = []
-    calls = []
-    call_again = fuse.call_again
-
-    def counted(*a, **k):
-        out = call_again(*a, **k)
-        calls.append(out is not None)
-        return out
 
     def eager(gm, example_inputs, config_patches=None, cudagraphs=False):
         graphs.append(_canonical(gm))
@@ -228,7 +236,7 @@ def _rewritten_steps(monkeypatch, reuse_plans: bool) -> tuple[list[str], int]:
     with monkeypatch.context() as m:
         m.setattr(_compat, "compile_with_inductor", eager)
         m.setattr(reuse, "ENABLED", reuse_plans)
-        m.setattr(fuse, "call_again", counted)
+        calls = _count_reuse(m)
         _compat.reset_dynamo()
         state.clear()
         watch.reset()
@@ -291,16 +299,8 @@ def test_chains_made_from_an_earlier_chains_plan_compute_what_built_chains_compu
     from collage_compile import reuse
 
     shapes = ((32, 16),) * 4 + ((16,),)
-    made = []
-    call_again = fuse.call_again
-
-    def counted(*a, **k):
-        out = call_again(*a, **k)
-        made.append(out is not None)
-        return out
-
     with monkeypatch.context() as m:
-        m.setattr(fuse, "call_again", counted)
+        made = _count_reuse(m)
         reused, refs, start, _ = _adamw_run(True, m, True, steps=30, shapes=shapes)
     assert sum(made) >= 4, "chains made from an earlier chain's plan"
     torch._dynamo.reset()
