@@ -24,7 +24,7 @@ from benchmarks.shapes import FAMILIES, family_shapes
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", choices=("plain", "light", "plus"), default="plus")
     ap.add_argument("--shapes", choices=FAMILIES, default="gpt")
     ap.add_argument("--count", type=int, default=300, help="number of parameter tensors")

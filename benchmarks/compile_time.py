@@ -132,7 +132,7 @@ def _report(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     ap.add_argument("--counts", nargs="+", type=int, default=[300, 1000])
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))

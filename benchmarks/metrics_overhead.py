@@ -83,7 +83,7 @@ def count_code(code: list[str]) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=SIZES, default="small")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")

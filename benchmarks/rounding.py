@@ -44,7 +44,7 @@ def kernel(rnd):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=576 * 2304)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=20)

@@ -476,7 +476,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=SIZES, default="cpu")
     ap.add_argument(
         "--shapes",
