@@ -365,6 +365,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
             new._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
     new_gm = _LazyGraphModule(gm, graph, class_name=type(gm).__name__)
     new_gm.meta = dict(gm.meta)
+    # Dynamo frees an optimizer's tensors with it: a finalizer on the optimizer pops them
+    # from its graph's _parameters and _buffers (OptimizerVariable.create_finalizer, read
+    # on 2.13).  The compiled step holds the copy; with dicts of its own, the copy kept the
+    # weights of a deleted model until a second pass of the cyclic collector.
+    new_gm._parameters = gm._parameters
+    new_gm._buffers = gm._buffers
     for attr in ("_param_name_to_source", "shape_env", "compile_subgraph_reason"):
         if hasattr(gm, attr):
             setattr(new_gm, attr, getattr(gm, attr))

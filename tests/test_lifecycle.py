@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import weakref
 
 import pytest
 import torch
@@ -59,6 +60,30 @@ def test_a_thousand_lifetimes_keep_memory_flat():
         sgd(p, g)
     assert abs(mcf_value(p).mean().item() - (1 - 1e-5)) < 1e-7
     assert p.detach().double().mean().item() == 1.0
+
+
+def test_a_deleted_models_weights_are_freed_by_one_collection():
+    """A sweep deletes a model and its ``compile_optimizer``-ed optimizer and wants the
+    weights' memory back.  The installed step is a bound method of the optimizer (a
+    cycle), so Dynamo's finalizer, which drops the optimizer's tensors from its graph, runs
+    inside the collection; the compiled step's working copy of that graph must not keep
+    them for a second one."""
+
+    def train_and_drop(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        opt = collage_compile.compile_optimizer(torch.optim.AdamW(model.parameters()))
+        for _ in range(2):
+            model(torch.randn(4, 16, dtype=torch.bfloat16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert collage_compile.components(model.weight)[1] is not None
+        return weakref.ref(model.weight), weakref.ref(opt)
+
+    refs = [train_and_drop(seed) for seed in range(2)]
+    gc.collect()
+    assert [w() is None for w, _ in refs] == [True, True]
+    assert [o() is None for _, o in refs] == [True, True]
 
 
 def test_two_optimizers_and_two_compiled_functions_share_one_pair():
