@@ -22,6 +22,7 @@ visible only in the constants of its writes (``v.mul_(0.999)`` vs ``m.lerp_(g, 0
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -193,6 +194,9 @@ def _is_param(info: GraphInfo, x: Any, acc: Accumulator, depth: int) -> bool:
     node, index = (x.node, x.index) if isinstance(x, Element) else (x, None)
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
         return False
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and index is None:
+        # Dynamo's getitem of a foreach op's result (torch 2.11's _foreach_lerp_ polyfill)
+        return _is_param(info, element_of(*node.args), acc, depth + 1)
     name = op_name(node)
     args = [element_of(a, index) for a in node.args]
     tensors = [a for a in args if isinstance(a, (fx.Node, Element)) and not is_scalar_like(a)]

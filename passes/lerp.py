@@ -170,10 +170,7 @@ def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
     args = bind(add_, write.args, write.kwargs)
     if args is None or not is_number(args[1]) or args[1] != 1:
         return None
-    product = args[0]
-    index = None
-    if isinstance(product, Element):
-        product, index = product.node, product.index
+    product, index = _producer(args[0])
     if not isinstance(product, fx.Node) or product.kwargs or len(product.args) != 2:
         return None
     if op_name(product) != "mul":
@@ -230,17 +227,7 @@ def _fill_value(x: Any) -> Any:
 
 def _difference(info: GraphInfo, diff: Any, write: Any) -> tuple[Any, fx.Node] | None:
     """(end, the subtraction node) when ``diff`` is ``end - x``, x the written tensor."""
-    if isinstance(diff, Element):
-        producer, index = diff.node, diff.index
-    elif (
-        isinstance(diff, fx.Node)
-        and diff.op == "call_function"
-        and diff.target is operator.getitem
-        and isinstance(diff.args[0], fx.Node)
-    ):
-        producer, index = diff.args[0], diff.args[1]
-    else:
-        producer, index = diff, None
+    producer, index = _producer(diff)
     if not isinstance(producer, fx.Node) or len(producer.args) != 2 or producer.kwargs:
         return None
     if index is None:
@@ -257,6 +244,21 @@ def _difference(info: GraphInfo, diff: Any, write: Any) -> tuple[Any, fx.Node] |
     if (write.acc, True) not in info.accumulators_of_node(start):
         return None
     return element_of(producer.args[0], index), producer
+
+
+def _producer(x: Any) -> tuple[Any, int | None]:
+    """(the node, the index) of a value that is one element of a foreach op's result, as an
+    Element or as Dynamo's ``getitem`` of it; (x, None) for anything else."""
+    if isinstance(x, Element):
+        return x.node, x.index
+    if (
+        isinstance(x, fx.Node)
+        and x.op == "call_function"
+        and x.target is operator.getitem
+        and isinstance(x.args[0], fx.Node)
+    ):
+        return x.args[0], x.args[1]
+    return x, None
 
 
 def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:

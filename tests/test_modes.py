@@ -190,6 +190,11 @@ def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light")
         elif form == "add_((p-e)*w)":
             for e, p in zip(emas, params):
                 e.add_((p - e) * (1 - d))
+        elif form == "_foreach_add_(_foreach_mul(_foreach_sub))":
+            # what torch 2.11's Dynamo traces torch._foreach_lerp_ into: each element of
+            # the foreach results a getitem node
+            diffs = torch._foreach_sub(params, emas)
+            torch._foreach_add_(emas, torch._foreach_mul(diffs, 1 - d))
         else:
             torch._foreach_lerp_(emas, params, 1 - d)
 
@@ -226,6 +231,7 @@ EMA_CASES = [
     (0.999, "mul_+add_", 0.02, 600),
     (0.999, "_foreach_lerp_", 0.02, 600),
     (0.999, "add_((p-e)*w)", 0.02, 600),
+    (0.999, "_foreach_add_(_foreach_mul(_foreach_sub))", 0.02, 600),
     (0.999, "lerp_(p.view(-1))", 0.02, 600),
     (0.9999, "lerp_", 0.02, 1000),
 ]
