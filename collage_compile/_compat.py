@@ -273,6 +273,14 @@ def fake_scalar_f64(x: Any, device: Any = None) -> Any:
         return torch.empty((), dtype=torch.float64, device=device)
 
 
+def is_symbol(x: Any) -> bool:
+    """Whether a SymInt/SymFloat is one input's own symbol (``lr``), not an expression of
+    symbols (``1 - lr*wd``) or a constant (its ``node.expr``, 2.11 and 2.13)."""
+    import sympy
+
+    return isinstance(getattr(getattr(x, "node", None), "expr", None), sympy.Symbol)
+
+
 def free_symbols(x: Any) -> set[Any]:
     """The free symbols of a SymInt/SymFloat's expression (empty for a constant)."""
     node = getattr(x, "node", None)

@@ -38,6 +38,8 @@ def scalar_f64(x: Any) -> Any:
     ``new_full``) is specialized to the value it was traced with, which guards on it: one
     recompile per learning rate, then eager execution at the recompile limit.
     """
+    if isinstance(x, fx.Proxy) and mirrors_arithmetic(x.node):
+        return fx.Proxy(_mirror(x.tracer.graph, x.node, None, {}), x.tracer)
     if isinstance(x, fx.Proxy):  # a graph node, not a constant folded in while tracing
         zero = x.tracer.create_proxy("call_function", torch.zeros, ((),), {"dtype": torch.float64})
     else:
@@ -54,10 +56,15 @@ def is_symbolic_float(node: Any) -> bool:
     return isinstance(ex, torch.SymFloat) and bool(_compat.free_symbols(ex))
 
 
-def hyperparameter_f64(graph: fx.Graph, x: fx.Node, device: Any = None) -> fx.Node:
+def hyperparameter_f64(
+    graph: fx.Graph, x: fx.Node, device: Any = None, made: dict[Any, fx.Node] | None = None
+) -> fx.Node:
     """A node computing symbolic float ``x`` as a 0-dim float64 tensor on ``device``, placed
     right after ``x`` (valid for all of its users) and marked so the chain arithmetic knows
-    it is exact (:func:`is_exact_f64`)."""
+    it is exact (:func:`is_exact_f64`).  ``made`` caches the tensors of ``x``'s operands
+    when ``x`` is arithmetic on float inputs (:func:`mirrors_arithmetic`)."""
+    if mirrors_arithmetic(x):
+        return _mirror(graph, x, device, {} if made is None else made)
     with graph.inserting_after(x):
         zero = graph.call_function(torch.zeros, ((),), {"dtype": torch.float64, "device": device})
     with graph.inserting_after(zero):
@@ -68,6 +75,71 @@ def hyperparameter_f64(graph: fx.Graph, x: fx.Node, device: Any = None) -> fx.No
     if fake is not None:
         zero.meta["example_value"] = fake
         node.meta["example_value"] = fake
+    return node
+
+
+# Python arithmetic on floats that float64 tensor arithmetic computes bit for bit
+_FLOAT_ARITHMETIC: dict[Any, Callable[..., Any]] = {
+    operator.neg: operator.neg,
+    operator.add: operator.add,
+    operator.sub: operator.sub,
+    operator.mul: operator.mul,
+    operator.truediv: operator.truediv,
+}
+
+
+def mirrors_arithmetic(x: fx.Node) -> bool:
+    """Whether symbolic float ``x`` is Python arithmetic (``-lr``, ``1 - lr*wd``) on float
+    inputs, rather than one float input itself, and :func:`hyperparameter_f64` builds its
+    tensor from theirs, op for op.
+
+    Why: torch's float tensorification (``torch/fx/passes/_tensorify_python_scalars.py``)
+    turns ``zeros + (1 - lr*wd)`` into tensor arithmetic on the float input ``lr`` and then
+    checks that every float input it met was tensorified.  Up to torch 2.12 that check reads
+    the expression's own symbol, ``1 - lr*wd``, not ``lr``
+    (``tensorified_symbols.add(a.meta["val"].node._expr)``; 2.13 adds its free symbols), so
+    it specializes ``lr``: one compile per learning rate, then eager steps in plain low
+    precision at the recompile limit.  Measured on 2.11.  The mirror makes every float the
+    tensorification meets one input's own symbol, on every version, and evaluates the
+    arithmetic in eager's order (the tensorification rebuilds it from the simplified
+    expression, ``lr * bc**-1`` for ``lr / bc``)."""
+    ex = _compat.example_value(x)
+    return isinstance(ex, torch.SymFloat) and not _compat.is_symbol(ex) and _is_float_arithmetic(x)
+
+
+def _is_float_arithmetic(x: Any) -> bool:
+    if is_number(x):
+        return True
+    if not isinstance(x, fx.Node) or not is_symbolic_float(x):
+        return False
+    if _compat.is_symbol(_compat.example_value(x)):
+        return True  # a float input (a leaf)
+    return (
+        x.op == "call_function"
+        and x.target in _FLOAT_ARITHMETIC
+        and not x.kwargs
+        and all(_is_float_arithmetic(a) for a in x.args)
+    )
+
+
+def _mirror(graph: fx.Graph, x: fx.Node, device: Any, made: dict[Any, fx.Node]) -> fx.Node:
+    """``x``'s float arithmetic on 0-dim float64 tensors, each placed right after the float
+    it stands for; a float input becomes ``zeros + x``, the one op the tensorification sees."""
+    key = (x, device)
+    if key in made:
+        return made[key]
+    ex = _compat.example_value(x)
+    if _compat.is_symbol(ex):
+        node = hyperparameter_f64(graph, x, device)
+    else:
+        args = [a if is_number(a) else _mirror(graph, a, device, made) for a in x.args]
+        with graph.inserting_after(x):
+            node = graph.call_function(_FLOAT_ARITHMETIC[x.target], tuple(args))
+        node.meta[_EXACT_F64] = True
+        fake = _compat.fake_scalar_f64(ex, device)
+        if fake is not None:
+            node.meta["example_value"] = fake
+    made[key] = node
     return node
 
 

@@ -46,7 +46,12 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
-from collage_compile.passes._common import is_symbolic_float, op_name
+from collage_compile.passes._common import (
+    hyperparameter_f64,
+    is_symbolic_float,
+    mirrors_arithmetic,
+    op_name,
+)
 
 log = logging.getLogger("collage_compile")
 
@@ -108,21 +113,24 @@ class _ScalarTensors:
         self.graph = graph
         self.tracer = fx.proxy.GraphAppendingTracer(graph)
         self._made: dict[tuple[fx.Node, Any, torch.dtype], fx.Node] = {}
+        self._f64: dict[Any, fx.Node] = {}
 
     def get(self, x: fx.Node, device: Any, dtype: torch.dtype) -> fx.Proxy:
         key = (x, device, dtype)
         node = self._made.get(key)
         if node is None:
-            with self.graph.inserting_after(x):
-                zero = self.graph.call_function(
-                    torch.zeros, ((),), {"dtype": torch.float64, "device": device}
-                )
-            with self.graph.inserting_after(zero):
-                t64 = self.graph.call_function(operator.add, (zero, x))
+            t64 = self.f64(x, device)
             with self.graph.inserting_after(t64):
                 node = self.graph.call_method("to", (t64, dtype))
             self._made[key] = node
         return fx.Proxy(node, self.tracer)
+
+    def f64(self, x: fx.Node, device: Any) -> fx.Node:
+        """``x`` as a float64 0-dim tensor (``zeros + x``; arithmetic on float inputs op for
+        op, :func:`collage_compile.passes._common.mirrors_arithmetic`)."""
+        if (x, device) not in self._f64:
+            self._f64[x, device] = hyperparameter_f64(self.graph, x, device, self._f64)
+        return self._f64[x, device]
 
 
 def _tensor_meta(x: Any) -> tuple[Any, torch.dtype] | None:
@@ -157,8 +165,20 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
     if name in ("add", "sub", "mul", "div", "truediv") and not any(
         is_symbolic_float(v) for v in kwargs.values()
     ):
-        # positional operands of aten arithmetic: torch's own tensorification handles them
-        return False
+        # positional operands of aten arithmetic: torch's own tensorification handles a
+        # float input; arithmetic on one (``grad * -lr``) becomes its mirror, which 2.11's
+        # tensorification would specialize (mirrors_arithmetic), in the op's computation
+        # dtype, as the tensorification casts it
+        if not any(isinstance(a, fx.Node) and mirrors_arithmetic(a) for a in args):
+            return False
+        meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
+        if meta is None:
+            return None
+        node.args = tuple(
+            tensors.get(a, *meta).node if isinstance(a, fx.Node) and mirrors_arithmetic(a) else a
+            for a in args
+        )
+        return True
     if name == "fma" and len(args) == 3 and not kwargs:
         # Dynamo's addcmul_/addcdiv_ with value=: fma(t, value, self), fused (one rounding)
         # in Inductor's kernel whether b is a float or a 0-dim tensor of the same value
@@ -214,11 +234,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
         device = kwargs.get("device")
         if set(kwargs) - {"dtype", "device", "requires_grad"} or kwargs.get("requires_grad"):
             return None
+        t64 = tensors.f64(args[0], device)
         with graph.inserting_before(node):
-            zero = graph.call_function(
-                torch.zeros, ((),), {"dtype": torch.float64, "device": device}
-            )
-            t64 = graph.call_function(operator.add, (zero, args[0]))
             new = graph.call_method("to", (t64, dtype))  # one rounding, as from the float
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)

@@ -27,6 +27,7 @@ import torch._dynamo.testing
 from conftest import relative_error, step_compiles
 
 import collage_compile
+from collage_compile import _compat
 
 STEPS = 200
 WARMUP = 20
@@ -147,6 +148,33 @@ def test_schedule_on_the_foreach_path(name):
     assert frames <= 2
     assert err <= 0.03
     assert plain_err >= max(0.5, 10 * err)
+
+
+def _sgd_wd(params, foreach):
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=0.01, foreach=foreach)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("make_opt", [_sgd_wd, _adamw], ids=["sgd", "adamw"])
+def test_the_float_tensorification_meets_only_float_inputs(make_opt, foreach, capture):
+    """torch 2.11's float tensorification specializes a float input that a tensor op reads
+    only through Python arithmetic (``grad * -lr``, ``1 - lr*wd``): one compile per learning
+    rate, then plain bf16 at the recompile limit (2.13 fixed it).  So in the graph the
+    backend hands Inductor, every symbolic float a tensor op reads is a float input itself
+    (the arithmetic on it is mirrored in float64 tensors, ``passes/_common.py``), on every
+    torch version."""
+    train(make_opt, SCHEDULERS["LinearLR"], collage_compile.backend, steps=3, foreach=foreach)
+    read = []
+    for gm in capture.modules:
+        for node in gm.graph.nodes:
+            if isinstance(_compat.example_value(node), (torch.SymFloat, torch.SymInt)):
+                continue  # Python arithmetic on scalars, not a tensor op
+            for a in node.all_input_nodes:
+                ex = _compat.example_value(a)
+                if isinstance(ex, torch.SymFloat) and _compat.free_symbols(ex):
+                    read.append((node.name, str(ex), _compat.is_symbol(ex)))
+    assert read, "no graph read the scheduled lr as a float"
+    assert all(bare for _, _, bare in read), read
 
 
 def test_an_ema_decay_schedule_stays_dynamic():
