@@ -407,8 +407,31 @@ def compile_with_inductor(
     scope = torch._functorch.config.patch(enable_autograd_cache=False)
     origins = element_origins() if config_patches else contextlib.nullcontext()
     patches = {**(config_patches or {}), **({"triton.cudagraphs": True} if cudagraphs else {})}
-    with scope if no_cache else contextlib.nullcontext(), origins:
+    rounding = patches.get("emulate_precision_casts") and torch.__version__ < "2.13"
+    with (
+        scope if no_cache else contextlib.nullcontext(),
+        origins,
+        _cpp_keeps_low_precision_roundings() if rounding else contextlib.nullcontext(),
+    ):
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
+
+
+@contextlib.contextmanager
+def _cpp_keeps_low_precision_roundings() -> Any:
+    """torch before 2.13: the C++ backend drops the rounding ``emulate_precision_casts``
+    asks for.  When a kernel stores a bf16 value, its CSE records the fp32 value it came
+    from as that bf16 value widened (``CppKernel.cache_dtype_convert``), so a later op in the
+    kernel reads it unrounded (2.11: ``g + wd*p`` multiplied by -lr before its rounding to
+    bf16).  2.13 skips that record under ``emulate_precision_casts`` (pytorch#185337); this
+    does the same while the backend compiles a graph that asks for it.  Checked on 2.11."""
+    from torch._inductor.codegen.cpp import CppKernel
+
+    original = CppKernel.cache_dtype_convert
+    CppKernel.cache_dtype_convert = lambda self, *args: None
+    try:
+        yield
+    finally:
+        CppKernel.cache_dtype_convert = original
 
 
 @contextlib.contextmanager
