@@ -298,7 +298,9 @@ def test_adafactor_under_a_schedule_names_the_recompile_limit():
     a new guard, as in plain Inductor.  When the recompile limit ends compilation, the user
     is told which function and which tensors are then stepped in plain bf16."""
     params = _params(0, 1.0)
-    opt = torch.optim.Adafactor(params, lr=1e-3, foreach=True)
+    # eps1 given: torch 2.11's foreach Adafactor cannot be traced with its default (None),
+    # whatever the backend ("dtype is needed to compute eps1"); 1e-10 as in OPTIMIZERS
+    opt = torch.optim.Adafactor(params, lr=1e-3, eps=(1e-10, 1e-3), foreach=True)
     step = torch.compile(opt.step, backend=collage_compile.backend)
     with (
         torch._dynamo.config.patch(capture_scalar_outputs=True),
