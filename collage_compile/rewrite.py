@@ -655,6 +655,7 @@ def _remove_claimed(gm: fx.GraphModule, info: GraphInfo, sites: list[Site]) -> N
         claimed = {s.write.index for s in node_sites}
         n_elems = len(node.args[0])
         rest = [i for i in range(n_elems) if i not in claimed]
+        new = None
         if rest:
             with graph.inserting_before(node):
                 per_elem = node_sites[0].write.op in _PER_ELEMENT_SCALAR_TENSOR
@@ -664,9 +665,30 @@ def _remove_claimed(gm: fx.GraphModule, info: GraphInfo, sites: list[Site]) -> N
                     {k: _subset(v, rest, graph, per_elem) for k, v in node.kwargs.items()},
                 )
             new.meta = dict(node.meta)
+        _redirect_elements(graph, node, rest, new)
+        if new is not None:
             node.replace_all_uses_with(new)
         graph.erase_node(node)
     _prune(graph, orphans)
+
+
+def _redirect_elements(
+    graph: fx.Graph, node: fx.Node, rest: list[int], new: fx.Node | None
+) -> None:
+    """An in-place foreach write returns the tensors it wrote; a later ``getitem(node, i)``
+    (torch 2.11's ``_foreach_lerp_`` polyfill returns ``_foreach_add_``'s result) reads
+    element ``i``'s tensor itself when the rewrite took element ``i`` (the chain writes it),
+    else element ``i`` of the call left for the other elements."""
+    written = node.args[0]
+    for user in list(node.users):
+        if user.target is not operator.getitem or not isinstance(user.args[1], int):
+            continue  # left to fail loudly when the node is erased
+        i = user.args[1]
+        if i in rest and new is not None:
+            user.args = (new, rest.index(i))
+        elif i not in rest and isinstance(written, (list, tuple)):
+            user.replace_all_uses_with(written[i])
+            graph.erase_node(user)
 
 
 def _subset(arg: Any, keep: list[int], graph: fx.Graph, per_element_tensor: bool) -> Any:

@@ -192,9 +192,9 @@ def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light")
                 e.add_((p - e) * (1 - d))
         elif form == "_foreach_add_(_foreach_mul(_foreach_sub))":
             # what torch 2.11's Dynamo traces torch._foreach_lerp_ into: each element of
-            # the foreach results a getitem node
+            # the foreach results a getitem node, the written list returned
             diffs = torch._foreach_sub(params, emas)
-            torch._foreach_add_(emas, torch._foreach_mul(diffs, 1 - d))
+            return torch._foreach_add_(emas, torch._foreach_mul(diffs, 1 - d))
         else:
             torch._foreach_lerp_(emas, params, 1 - d)
 
