@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -121,9 +122,16 @@ def _same_numbers(expected: str, actual: str) -> bool:
     return True
 
 
+# output that names the ops Dynamo traced: the docs quote torch 2.13's (2.11 traces AdamW's
+# second moment into mul_ + add_, not mul_ + copy_)
+TRACE_SPECIFIC = {"python examples/explain.py"}
+
+
 @pytest.mark.parametrize("cmd", list(RUN))
 def test_quoted_output_is_what_the_command_prints(cmd):
     assert cmd in _quoted_commands(), f"{cmd} is no longer quoted: drop it from RUN"
+    if cmd in TRACE_SPECIFIC and not torch.__version__.startswith("2.13"):
+        pytest.skip(f"the docs quote what torch 2.13 prints, not {torch.__version__}")
     proc = subprocess.run(
         [sys.executable, *cmd.split()[1:]],
         cwd=ROOT,
