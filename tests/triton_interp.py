@@ -21,7 +21,8 @@ libdevice's own accuracy (the stand-ins are torch's CPU functions, the C++ path'
 CUDA-only heuristics (block sizes, persistent reductions, autotuning).
 
 The private APIs used here, checked on torch 2.13.0 with triton 3.7.1 (the version torch
-2.13's CUDA build pins): ``triton.runtime.interpreter._convert_float`` and
+2.13's CUDA build pins) and on torch 2.11.0 with triton 3.6.0 (the GPU image's; there the
+CUDA build from PyPI, run on this CPU, passed tests/test_triton.py): ``triton.runtime.interpreter._convert_float`` and
 ``TensorHandle``, ``triton.runtime.jit.JITFunction``, ``torch.utils._triton.
 triton_hash_with_backend``, ``torch._inductor.runtime.triton_helpers.libdevice``.
 """
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-CHECKED_VERSIONS = {"torch": ("2.13",), "triton": ("3.7",)}
+CHECKED_VERSIONS = {"torch": ("2.11", "2.13"), "triton": ("3.6", "3.7")}
 
 
 def available() -> str | None:
