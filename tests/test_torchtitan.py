@@ -20,7 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan")
+# torchtitan 0.3.0's models import what torch 2.11 lacks (DataParallelMeshDims): on 2.11
+# this skips with that ImportError, as without torchtitan
+pytest.importorskip("torchtitan.models.llama3", exc_type=ImportError)
 from _dist import run_ranks
 
 STEPS = 8
