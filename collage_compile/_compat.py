@@ -1,7 +1,10 @@
 """The one door to private torch APIs (Dynamo, AOTAutograd, Inductor internals).
 
-Checked on torch 2.13.0 (CPU wheel, C++ codegen) and written against the 2.11 image's API
-(CUDA, Triton codegen).  When torch changes, this file changes; nothing else in the package
+Checked on torch 2.13.0 (CPU wheel, C++ codegen) and on torch 2.11.0, the GPU image's (its
+CUDA build run on a CPU: C++ codegen and Triton's interpreter, ``tools/torch211.sh``); the
+CUDA-only paths are written against 2.11's source and not yet run on a GPU.  Where a function
+below says "written for 2.11", the suite has since run it there.  When torch changes, this
+file changes; nothing else in the package
 imports ``torch._dynamo``, ``torch._inductor``, ``torch._guards`` or ``torch._subclasses``.
 """
 
