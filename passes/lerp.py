@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from collage_compile import _compat
 from collage_compile.accumulators import Element, GraphInfo, Step, element_of
 from collage_compile.passes._common import bind, is_number, is_scalar_like, op_name
 from collage_compile.passes.additive import add_, addcmul_
@@ -256,9 +257,11 @@ def _producer(x: Any) -> tuple[Any, int | None]:
         and x.op == "call_function"
         and x.target is operator.getitem
         and isinstance(x.args[0], fx.Node)
+        and isinstance(x.args[1], int)
+        and isinstance(_compat.example_value(x.args[0]), (list, tuple))
     ):
         return x.args[0], x.args[1]
-    return x, None
+    return x, None  # an index into a tensor is not an element of a foreach result
 
 
 def _end_of_difference(info: GraphInfo, diff: Any, write: Any) -> Any:

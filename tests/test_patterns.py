@@ -97,6 +97,11 @@ def _foreach_add(p, g, t):
     torch._foreach_add_([p], [g], alpha=-LR)
 
 
+def _add_one_scaled_difference(p, g, t):
+    # one element of (t - p) * w, added to every weight: no lerp (a lerp is element-wise)
+    p.add_(((t - p) * 5e-4)[0])
+
+
 def _foreach_lerp(p, g, t):
     torch._foreach_lerp_([p], [t], 5e-4)
 
@@ -143,6 +148,10 @@ CASES = {
     "p.data.add_": (_data_add, _sgd),
     "_foreach_add_": (_foreach_add, _sgd),
     "_foreach_lerp_": (_foreach_lerp, _ema),
+    "add_(((t - p) * w)[0])": (
+        _add_one_scaled_difference,
+        lambda p, g, t: p + 5e-4 * (t[0] - p[0]),
+    ),
     "_foreach_mul_+addcmul_": (_foreach_mul_add, _decayed_sgd),
 }
 
