@@ -78,7 +78,10 @@ def hyperparameter_f64(
     return node
 
 
-# Python arithmetic on floats that float64 tensor arithmetic computes bit for bit
+# Python arithmetic on floats, as float64 tensor arithmetic: the same IEEE operations in the
+# same order, except that a tensor divides a constant by it as reciprocal * constant (two
+# roundings) and a GPU kernel may fuse a * b + c or divide by a constant's reciprocal; each
+# at most one float64 ulp, as the tensorification's own arithmetic
 _FLOAT_ARITHMETIC: dict[Any, Callable[..., Any]] = {
     operator.neg: operator.neg,
     operator.add: operator.add,
@@ -95,11 +98,11 @@ def mirrors_arithmetic(x: fx.Node) -> bool:
 
     Why: torch's float tensorification (``torch/fx/passes/_tensorify_python_scalars.py``)
     turns ``zeros + (1 - lr*wd)`` into tensor arithmetic on the float input ``lr`` and then
-    checks that every float input it met was tensorified.  Up to torch 2.12 that check reads
+    checks that every float input it met was tensorified.  On torch 2.11 that check reads
     the expression's own symbol, ``1 - lr*wd``, not ``lr``
     (``tensorified_symbols.add(a.meta["val"].node._expr)``; 2.13 adds its free symbols), so
     it specializes ``lr``: one compile per learning rate, then eager steps in plain low
-    precision at the recompile limit.  Measured on 2.11.  The mirror makes every float the
+    precision at the recompile limit (measured on 2.11).  The mirror makes every float the
     tensorification meets one input's own symbol, on every version, and evaluates the
     arithmetic in eager's order (the tensorification rebuilds it from the simplified
     expression, ``lr * bc**-1`` for ``lr / bc``)."""

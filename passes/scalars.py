@@ -178,6 +178,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
             tensors.get(a, *meta).node if isinstance(a, fx.Node) and mirrors_arithmetic(a) else a
             for a in args
         )
+        _keep_dtype(graph, node, meta[1])
         return True
     if name == "fma" and len(args) == 3 and not kwargs:
         # Dynamo's addcmul_/addcdiv_ with value=: fma(t, value, self), fused (one rounding)
@@ -319,6 +320,19 @@ def _rewrite_foreach(
         graph.erase_node(node)
         return True
     return None
+
+
+def _keep_dtype(graph: fx.Graph, node: fx.Node, computation: torch.dtype) -> None:
+    """A 0-dim result keeps the dtype the float operand gave it: ``s * (1 - lr*wd)`` with
+    ``s`` a 0-dim bf16 tensor is bf16, rounded once, where its fp32 0-dim operand would
+    promote it to fp32 (as the tensorification converts its result back)."""
+    ex = _compat.example_value(node)
+    if not isinstance(ex, torch.Tensor) or ex.dim() != 0 or ex.dtype == computation:
+        return
+    with graph.inserting_after(node):
+        cast = graph.call_method("to", (node, ex.dtype))
+    cast.meta = dict(node.meta)
+    node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
 
 
 def _proxy(graph: fx.Graph, x: fx.Node) -> fx.Proxy:

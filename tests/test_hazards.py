@@ -257,6 +257,26 @@ def test_asgd_single_tensor_copy_after_its_decay_is_upgraded():
 # ---- scalars ---------------------------------------------------------------------------------
 
 
+def test_a_0dim_product_with_a_scheduled_float_keeps_eagers_dtype():
+    """``s * (1 - lr * 0.1)``, ``s`` a 0-dim bf16 tensor and ``lr`` a float that changes
+    every call: eager gives bf16.  The backend rebuilds ``1 - lr * 0.1`` as a float64 tensor
+    cast to fp32 (what torch 2.11's tensorification would specialize), and a 0-dim fp32
+    operand promotes a 0-dim product: it must come back bf16, rounded as eager rounds it."""
+    p = _param(n=8, scale=0.5)
+    g = torch.full((8,), 0.25, dtype=torch.bfloat16)
+    s = torch.tensor(0.7, dtype=torch.bfloat16)
+
+    @torch.compile(backend=collage_compile.backend)
+    def f(p, g, s, lr):
+        with torch.no_grad():
+            p.add_(g, alpha=-lr)
+        return s * (1 - lr * 0.1)
+
+    for lr in (1e-3, 2e-3, 3e-3, 0.4):  # the second call on compiles with lr dynamic
+        out, ref = f(p, g, s, lr), s * (1 - lr * 0.1)
+        assert out.dtype == ref.dtype and torch.equal(out, ref), (lr, out, ref)
+
+
 def test_symbolic_scalars_under_dynamic_shapes_are_carried_exactly():
     """``n = g.shape[0]`` is a SymInt with dynamic=True: decay, alpha, scalar add and lerp
     weight all become symbolic and must still reach the pair unrounded."""
