@@ -133,7 +133,6 @@ def _fsdp_numerics(rank: int, world: int) -> dict[str, dict[str, float]]:
     import warnings
 
     import collage_compile
-    from collage_compile import _compat
 
     runs = {
         "plus-foreach": ("collage", "plus", True),
@@ -141,16 +140,14 @@ def _fsdp_numerics(rank: int, world: int) -> dict[str, dict[str, float]]:
         "light-meta": ("collage", "light", True, True),
         "plain": ("plain", "light", True),
     }
-    out = {}
+    if torch.__version__ < "2.13":
+        # torch 2.11's Dynamo cannot compile the step of a model built on the meta device
+        # and then sharded ("2 != 1" in _create_symbolic_sizes_strides_storage_offset on
+        # rank 1), plain Inductor alike; 2.13 can
+        del runs["light-meta"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
-        for name, args in runs.items():
-            # each run a fresh Dynamo, as a new training job: torch 2.11's Dynamo fails to
-            # fakeify the third optimizer's DTensor shards in one process ("2 != 1" in
-            # _create_symbolic_sizes_strides_storage_offset), plain Inductor alike
-            _compat.reset_dynamo()
-            out[name] = _train_fsdp(*args)
-    return out
+        return {name: _train_fsdp(*args) for name, args in runs.items()}
 
 
 def _rel(results: list[dict[str, float]], err: str, move: str) -> float:
@@ -175,7 +172,7 @@ def test_fsdp2_optimizer_step_tracks_float64():
         assert plain >= max(0.3, 10 * err)
         assert plain_ema >= max(0.3, 10 * ema)
     for r in ranks:
-        for name in ("plus-foreach", "light-single", "light-meta"):
+        for name in [n for n in r if n != "plain"]:
             assert r[name]["lo_is_dtensor"] and r[name]["lo_local_shape"]
             assert r[name]["value_is_dtensor"]
         assert r["plus-foreach"]["state_los"] > 0  # plus: the moments carry pairs too
