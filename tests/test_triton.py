@@ -200,3 +200,55 @@ def test_collage_cuda_step_tracks_float64_as_the_cpp_path_does(case):
         )
         hi_only = (cuda[i].double() - ref[i]).norm().item() / moved  # what bf16 alone holds
         assert err_cuda <= 2 * err_cpp + 1e-5 and 10 * err_cuda < hi_only, (err_cuda, err_cpp)
+
+
+_CDIV_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def combo_head(out_ptr):
+    XBLOCK: tl.constexpr = 1024
+    num_xblocks_0 = tl.cdiv(128, XBLOCK)
+    num_xblocks_1 = num_xblocks_0 + tl.cdiv(8, XBLOCK)
+    tl.store(out_ptr, num_xblocks_1)
+"""
+
+
+def test_the_interpreter_leaves_triton_able_to_compile_for_a_gpu(interpreted_triton, tmp_path):
+    """After an interpreted step, Triton's front end still builds a CUDA kernel's IR (no GPU
+    needed).  The interpreter patched ``triton.language`` for good at the first interpreted
+    device-function call, so on the GPU image a CUDA test that ran after an interpreter test
+    in the same process failed to compile its combo kernel (the header of Inductor's
+    ``triton_for_fused`` kernels, above); :func:`triton_interp._language_restored`."""
+    import importlib.util
+
+    import triton_interp
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    before = [dict(vars(o)) for o in triton_interp._language_objects()]
+    with interpreted_triton():
+        _run(_sgd, {})  # Inductor's helpers (tl.cdiv among them) run as device functions
+    after = [dict(vars(o)) for o in triton_interp._language_objects()]
+    changed = [k for b, a in zip(before, after) for k in b if a.get(k) is not b[k]]
+    assert not changed, f"triton.language left patched: {changed[:5]}"
+
+    path = tmp_path / "combo_head.py"
+    path.write_text(_CDIV_KERNEL)
+    spec = importlib.util.spec_from_file_location("combo_head", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({"debug": True})
+    from triton._C.libtriton import ir
+
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(module.combo_head, {"out_ptr": "*i32"}, {})
+    codegen = backend.get_codegen_implementation(options)
+    assert source.make_ir(target, options, codegen, backend.get_module_map(), context)

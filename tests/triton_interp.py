@@ -181,6 +181,39 @@ def _interpreted_helpers(module: types.ModuleType, patch: pytest.MonkeyPatch) ->
             patch.setattr(module, name, InterpretedFunction(value.fn))
 
 
+def _language_objects() -> list[object]:
+    """What the interpreter's ``_patch_lang`` patches (triton 3.6 and 3.7)."""
+    from triton import language as tl
+
+    objs = [tl, tl.core, tl.math, tl.tensor, tl.core.tensor]
+    objs.append(getattr(tl.core, "tensor_descriptor_base", None))
+    return [o for o in dict.fromkeys(objs) if o is not None]
+
+
+@contextlib.contextmanager
+def _language_restored() -> Iterator[None]:
+    """``triton.language`` as it was, after the interpreter has run.  The interpreter
+    patches the language's builtins for each call of an interpreted device function
+    (``InterpretedFunction.__call__``, which the helpers below become) and never restores
+    them, so a real Triton compile later in the process failed: "'ir.value' object has no
+    attribute 'dtype'" at the first ``tl.cdiv`` of a combo kernel (seen on the GPU image,
+    triton 3.6, in a CUDA test that ran after an interpreter test in one pytest worker)."""
+    saved = [(o, dict(vars(o))) for o in _language_objects()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            for name in [n for n in now if n not in before]:
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def interpreted_triton() -> Iterator[None]:
     """Inductor generates Triton for CPU tensors and Triton's interpreter runs it with a
@@ -201,6 +234,7 @@ def interpreted_triton() -> Iterator[None]:
         from torch._inductor.runtime import triton_helpers
 
     with (
+        _language_restored(),
         pytest.MonkeyPatch.context() as patch,
         inductor_config.patch(cpu_backend="triton"),
         # a combo kernel's masked-off lanes divide 0 by 0; their results are never stored
