@@ -116,9 +116,7 @@ def compile_graph(
     (with ``every`` other than 1, twice: with the metrics and without, see
     :class:`_EveryK`)."""
     shown = f"the graph of {_compat.current_frame() or 'a compiled function'}"
-    if config.cudagraphs and not any(
-        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs
-    ):
+    if config.cudagraphs and _uncapturable(gm, example_inputs):
         watch.cudagraphs_on_cpu(shown)
     with watch.in_call(shown):
         compiled = _compile_graph(gm, example_inputs, config)
@@ -128,6 +126,16 @@ def compile_graph(
     with watch.in_call(shown):
         quiet_compiled = _compile_graph(gm, example_inputs, quiet, record=False)
     return _EveryK(compiled, quiet_compiled, config.every)
+
+
+def _uncapturable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """A graph with work for a CUDA graph that has no CUDA tensor.  The graph Dynamo
+    captures after torch.optim's step (its graph break at ``_optimizer_step_code``) only
+    ticks the optimizer watch on a CPU tensor: nothing to capture, nothing to name (on the
+    GPU image it was named beside a captured step)."""
+    if _compat.is_step_tick_graph(gm):
+        return False
+    return not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 
 class _EveryK:

@@ -71,6 +71,35 @@ def test_reduce_overhead_on_cpu_compensates_and_says_once_that_nothing_is_captur
         assert err <= 0.02 < 0.5 < plain_err
 
 
+def test_only_a_graph_with_cpu_work_is_named_as_not_captured():
+    """torch.optim's step breaks its graph at ``_optimizer_step_code``; what Dynamo captures
+    after it only ticks the optimizer watch (a CPU tensor), nothing a CUDA graph holds.  On
+    the GPU image that graph was named "has no CUDA tensor" beside a captured CUDA step,
+    a false alarm; the step's own graph on a CPU is still named."""
+    from collage_compile import compiler, diagnostics, watch
+    from collage_compile.config import CollageConfig
+
+    watch.install()  # what puts the watch's op into the graph after the step
+    config = CollageConfig(cudagraphs=True)
+    graphs = []  # (only ticks the watch, what the backend said of it)
+
+    def backend(gm, example_inputs):
+        diagnostics.reset_warnings()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            compiled = compiler.compile_graph(gm, example_inputs, config)
+        said = [str(w.message) for w in rec if "has no CUDA tensor" in str(w.message)]
+        graphs.append((_compat.is_step_tick_graph(gm), said))
+        return compiled
+
+    torch._dynamo.reset()
+    start, grads = _stream([(16, 8), (8,)])
+    _run(start, grads[:2], torch.bfloat16, lambda opt: torch.compile(opt.step, backend=backend))
+    assert sorted(ticks for ticks, _ in graphs) == [False, True], graphs
+    for ticks, said in graphs:
+        assert len(said) == (0 if ticks else 1), (ticks, said)
+
+
 def test_every_input_a_rewritten_step_writes_keeps_its_address(monkeypatch):
     """Under cudagraph trees Inductor captures a graph only if every input it writes is
     static.  The step writes each parameter, its state and its lo: Dynamo marks the
