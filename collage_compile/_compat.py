@@ -161,6 +161,27 @@ def take_step_ticks(gm: fx.GraphModule) -> list[int]:
     return keys
 
 
+def dynamic_from_the_first_compile(fn: Callable[..., Any], sources: Sequence[str]) -> None:
+    """Have Dynamo trace the float inputs ``sources`` (source names relative to the frame
+    of ``fn`` and of every function it wraps, ``"L['self'].param_groups[0]['lr']"``) as
+    symbols from their first compile.  Dynamo specializes a float on the value it first
+    sees and recompiles, dynamic, when it changes (automatic dynamic): a schedule's second
+    step compiled the whole step again (on a GPU, 64 s after the first 38 s).  What its
+    second compile records in the code's frame state (``torch._dynamo.pgo``), written
+    before the first: the scalar's entry is ``auto_dynamic``.  Checked on 2.11 and 2.13
+    (``CodeId.make`` takes the closure on 2.13; the functions here have none)."""
+    from torch._dynamo import pgo
+
+    state = pgo.get_code_state()
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if code is not None and not getattr(fn, "__closure__", None):
+            entries = state[pgo.CodeId.make(code)].automatic_dynamic
+            for name in sources:
+                entries[name] = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+        fn = getattr(fn, "__wrapped__", None)
+
+
 def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:
     """Call ``callback(function, limit, value, last_reason)`` whenever Dynamo gives up
     recompiling a function (its ``recompile_limit`` / ``accumulated_recompile_limit``

@@ -57,7 +57,12 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
 
+    first = [True]
+
     def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if first:  # a scheduler made since compile_optimizer is known by now
+            first.clear()
+            _scheduled_lr_dynamic(self)
         if closure is None:
             return compiled(*args, **kwargs)
         # torch.optim's step calls the closure first, with grad enabled, and returns its
@@ -76,6 +81,22 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def _scheduled_lr_dynamic(optimizer: torch.optim.Optimizer) -> None:
+    """Compile a scheduled lr as a symbol from the first step, so a schedule costs one
+    compile, not two (Dynamo specializes a float on its first value, then recompiles: at
+    warmup from lr = 0 the first graph served one step).  A group an LR scheduler drives
+    has ``initial_lr``; its float ``lr`` is read in the optimizer's own ``step``."""
+    from collage_compile import _compat
+
+    sources = [
+        f"L['self'].param_groups[{i}]['lr']"
+        for i, group in enumerate(optimizer.param_groups)
+        if "initial_lr" in group and isinstance(group["lr"], float)
+    ]
+    if sources:
+        _compat.dynamic_from_the_first_compile(type(optimizer).step, sources)
 
 
 def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
