@@ -1,39 +1,83 @@
 """Host time of the compiled AdamW step: what the backend's wrapper adds per call.
 
     python -m benchmarks.host [--tensors 48,300] [--rounds 7] [--steps 200]
+    python -m benchmarks.host --device cuda --tensors 75 --schedule \\
+        --variants fused32,fused16,plain,light,plain-cg,light-cg,plus-cg --profile light-cg
 
 Each parameter holds 8 bf16 elements, so the kernels cost next to nothing and the time of a
 step is the host's: Dynamo's guards, the compiled module's call, and for collage the
-wrapper around it (lo inputs, the outside-write check, the optimizer watch).  Plain
-Inductor, collage light and plus, each compiled once per tensor count, then timed in
-interleaved rounds (thread CPU time, one torch thread) so the machine's drift hits all
-alike; the median per step and the ratio to plain Inductor are printed.
+wrapper around it (lo inputs, the outside-write check, the optimizer watch).  Each variant
+is compiled once per tensor count, then timed in interleaved rounds so the machine's drift
+hits all alike; the median per step and the ratio to plain Inductor are printed.
+
+On a CPU the clock is thread CPU time with one torch thread.  On CUDA it is wall time, the
+device synchronized at the end of each round: with kernels this small the device waits for
+the host, so that is the host's time per step, launches included.  There ``fused32`` and
+``fused16`` are torch's ``AdamW(fused=True)`` run eagerly (fp32 and bf16 weights), and
+``-cg`` variants are captured as CUDA graphs (plain: ``mode="reduce-overhead"``; collage:
+``cudagraphs=True``).  ``--schedule`` sets a new learning rate before every step, as a
+scheduler does: a Python float, except for plain Inductor, which recompiles for each new
+float and gets a tensor lr, as torch advises.  ``--profile VARIANT`` prints where that variant's host time goes
+(cProfile, the 25 costliest functions by their own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 VARIANTS = ("plain", "light", "plus")
+CUDA_ONLY = ("plain-cg", "light-cg", "plus-cg")
+EAGER = ("fused32", "fused16")
 
 
-def build(variant: str, n: int):
+def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> Callable[[], None]:
     import collage_compile
 
     g = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(8, generator=g).to(torch.bfloat16)) for _ in range(n)]
+    dtype = torch.float32 if variant == "fused32" else torch.bfloat16
+    ps = [torch.nn.Parameter(torch.randn(8, generator=g).to(device, dtype)) for _ in range(n)]
     for p in ps:
-        p.grad = (1e-3 * torch.randn(8, generator=g)).to(torch.bfloat16)
-    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True)
-    backend = "inductor" if variant == "plain" else collage_compile.make_backend(mode=variant)
-    step = torch.compile(opt.step, backend=backend)
-    for _ in range(5):  # compile, then settle
+        p.grad = (1e-3 * torch.randn(8, generator=g)).to(device, dtype)
+    fused = variant in EAGER
+    mode, _, captured = variant.partition("-")
+    # stock Inductor recompiles for each new float lr: torch's advice is a tensor lr
+    # (a tensor lr is refused with foreach=True unless capturable; torch's default then)
+    tensor_lr = schedule and mode == "plain"
+    opt = torch.optim.AdamW(
+        ps,
+        lr=torch.tensor(1e-4) if tensor_lr else 1e-4,
+        weight_decay=0.01,
+        foreach=None if fused or tensor_lr else True,
+        fused=fused or None,
+    )
+    if fused:
+        step = opt.step
+    elif mode == "plain":
+        step = torch.compile(opt.step, mode="reduce-overhead" if captured else None)
+    else:
+        backend = collage_compile.make_backend(mode=mode, cudagraphs=bool(captured))
+        step = torch.compile(opt.step, backend=backend)
+    lrs = iter(1e-4 * (1 + (i % 97) / 97) for i in range(10**9))
+
+    def scheduled() -> None:
+        group = opt.param_groups[0]
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(next(lrs))
+        else:
+            group["lr"] = next(lrs)
         step()
-    return step
+
+    run = scheduled if schedule else step
+    for _ in range(5):  # compile (and capture), then settle
+        run()
+    return run
 
 
 def main() -> None:
@@ -41,28 +85,68 @@ def main() -> None:
     ap.add_argument("--tensors", default="48,300")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"a comma-separated subset of {VARIANTS + EAGER + CUDA_ONLY} ('plain' first)",
+    )
+    ap.add_argument("--schedule", action="store_true", help="a new lr before every step")
+    ap.add_argument("--profile", metavar="VARIANT", help="cProfile this variant's steps")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS + EAGER + CUDA_ONLY)
+    if unknown or variants[0] != "plain":
+        raise SystemExit(f"--variants: 'plain' first, then any of the others ({sorted(unknown)})")
+    if args.device == "cpu" and set(variants) & set(CUDA_ONLY):
+        raise SystemExit(f"{CUDA_ONLY} capture CUDA graphs: --device cuda")
     torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64  # one cache entry per variant of AdamW.step
     counts = [int(x) for x in args.tensors.split(",")]
-    steps = {(v, n): build(v, n) for n in counts for v in VARIANTS}
-    times: dict[tuple[str, int], list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds):
-        for key, step in steps.items():
-            t0 = time.thread_time()
-            for _ in range(args.steps):
-                step()
-            times[key].append((time.thread_time() - t0) / args.steps * 1e6)
+    steps = {(v, n): build(v, n, args.device, args.schedule) for n in counts for v in variants}
+    times = timed(steps, args.rounds, args.steps, args.device)
+    clock = "thread CPU time" if args.device == "cpu" else "wall, synchronized per round"
     print(
-        f"host time of a compiled AdamW step (foreach, 8 bf16 elements per tensor), torch "
-        f"{torch.__version__}, 1 thread; median of {args.rounds} interleaved rounds of "
-        f"{args.steps} steps (thread CPU time)"
+        f"host time of an AdamW step (8 bf16 elements per tensor), {args.device}, torch "
+        f"{torch.__version__}, 1 thread{', a new lr every step' if args.schedule else ''}; "
+        f"median of {args.rounds} interleaved rounds of {args.steps} steps ({clock})"
     )
     print(f"{'tensors':>7} {'variant':8} {'us/step':>9} {'vs plain':>8} {'us/tensor':>9}")
     for n in counts:
         base = statistics.median(times["plain", n])
-        for v in VARIANTS:
+        for v in variants:
             med = statistics.median(times[v, n])
             print(f"{n:7d} {v:8} {med:9.1f} {med / base:8.2f} {med / n:9.2f}")
+    if args.profile:
+        profile(steps[args.profile, counts[-1]], args.steps)
+
+
+def timed(steps: dict, rounds: int, n_steps: int, device: str) -> dict:
+    """Microseconds per step of each entry, one sample per round."""
+    cuda = device == "cuda"
+    clock = time.perf_counter if cuda else time.thread_time
+    times: dict = {k: [] for k in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = clock()
+            for _ in range(n_steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            times[key].append((clock() - t0) / n_steps * 1e6)
+    return times
+
+
+def profile(step: Callable[[], None], n_steps: int) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n_steps):
+        step()
+    prof.disable()
+    print(f"\nwhere the host time of {n_steps} steps goes (cProfile, by own time):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

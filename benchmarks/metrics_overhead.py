@@ -40,6 +40,7 @@ SIZES = {
     "small": (2, 256),
     "cpu": (4, 576),
     "gpu": (12, 1024),
+    "large": (4, 2560),  # 315M params in 48 tensors: a GPU step where memory dominates
     "t300": (25, 32),  # 300 small tensors: compile time at a Llama-7B tensor count
 }
 

@@ -138,6 +138,7 @@ class EagerCollageAdamW:
         return [*self.params, *self.m, *self.v, *self.dp]
 
 
+FUSED32 = "fp32 fused (16,32)"
 OPTIONAL = ("fused", "light", "plus", "exact", "cudagraphs", "eager", "others")
 
 
@@ -220,7 +221,7 @@ def _fused(shapes: list[tuple[int, ...]], device: str) -> list[Variant]:
     opt16 = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
     return [
         Variant(
-            "fp32 fused (16,32)",
+            FUSED32,
             step32,
             lambda: [*master, *model, *_state_tensors(opt32)],
             FLOOR_BYTES["fp32"],
@@ -394,6 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "ns_per_param": t * 1e9 / n,
                 "vs_fp32_master": t / med["fp32 master (16,32)"],
                 "vs_plain_bf16": t / med["plain bf16"],
+                "vs_fused_fp32": t / med[FUSED32] if FUSED32 in med else None,
                 "floor_bytes_per_param": v.floor,
                 "floor_GBps": gbs,
                 "of_copy_bandwidth": gbs / copy_gbs if gbs else None,
@@ -444,6 +446,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"{res['steps_per_sample']} steps ({res['clock']}); copy bandwidth "
         f"{res['copy_GBps']:.1f} GB/s",
         f"{'variant':<20} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
+        f"{'vs fused32':>10} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
         f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
     ]
@@ -451,6 +454,7 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(
             f"{r['variant']:<20} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
             f"{r['vs_fp32_master']:7.2f} {r['vs_plain_bf16']:7.2f} "
+            f"{f(r['vs_fused_fp32'], '.2f'):>10} "
             f"{f(r['floor_bytes_per_param'], 'd'):>7} {f(r['floor_GBps'], '.1f'):>6} "
             f"{f(r['of_copy_bandwidth'], '.0%'):>7} {r['persistent_bytes_per_param']:9.2f} "
             f"{f(r['peak_MB'], '.0f'):>8} {f(r['compile_s'], '.1f'):>9} "

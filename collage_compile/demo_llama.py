@@ -223,9 +223,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(header, flush=True)
     strategies = [k for k in STRATEGIES if k in args.strategies.split(",")]
     t0 = time.perf_counter()
-    results = [
-        train_one(k, init, train, val, s, args.cudagraphs, demo._progress()) for k in strategies
-    ]
+    results = []
+    for k in strategies:  # each row as it comes: a run stopped at a time limit keeps them
+        results.append(train_one(k, init, train, val, s, args.cudagraphs, demo._progress()))
+        print(table(results).splitlines()[-1], flush=True)
     text = table(results)
     print(
         f"\n{text}\nstep ms: train step (forward, backward, clipping, optimizer); opt ms: the "

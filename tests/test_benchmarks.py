@@ -69,6 +69,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
     assert (tmp_path / "step.png").stat().st_size > 0
     n = res["params"]
     plain, fp32 = rows["plain bf16"]["ms_per_step"], rows["fp32 master (16,32)"]["ms_per_step"]
+    fused = rows["fp32 fused (16,32)"]["ms_per_step"]
     for name, row in rows.items():
         # (+ AdamW's 0-d step counters: 4 bytes a tensor, 0.004 B/param at this size)
         assert row["persistent_bytes_per_param"] == pytest.approx(STATE_BYTES[name], abs=0.01), name
@@ -77,6 +78,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
         assert row["ns_per_param"] * n / 1e6 == pytest.approx(ms, rel=1e-9), name
         assert row["vs_plain_bf16"] == pytest.approx(ms / plain, rel=1e-9), name
         assert row["vs_fp32_master"] == pytest.approx(ms / fp32, rel=1e-9), name
+        assert row["vs_fused_fp32"] == pytest.approx(ms / fused, rel=1e-9), name
         # the bytes the step must move per second, as a share of a plain copy's; no step
         # moves its bytes much faster than a copy (measured 1 % to 10 % at this size)
         floor_gbs = row["floor_bytes_per_param"] * n / (ms / 1e3) / 1e9
@@ -113,3 +115,22 @@ def test_step_benchmark_skips_absent_alternatives_with_a_message(monkeypatch, ca
     err = capsys.readouterr().err
     assert "skipped: optimi Kahan AdamW" in err
     assert "skipped: torchao bf16 SR AdamW" in err
+
+
+def test_host_benchmark_times_each_variant_under_a_schedule_without_recompiling(tmp_path):
+    """``python -m benchmarks.host`` with a new lr every step: a row per variant, the
+    profile of one, and no recompile (plain Inductor gets a tensor lr, collage keeps a float
+    dynamic)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env["TORCH_LOGS"] = "recompiles"
+    cmd = [sys.executable, "-m", "benchmarks.host", "--tensors", "3", "--rounds", "1"]
+    cmd += ["--steps", "3", "--schedule", "--variants", "plain,light,fused32", "--profile", "light"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("      3 ")]
+    assert [r[1] for r in rows] == ["plain", "light", "fused32"], proc.stdout
+    assert all(float(r[2]) > 0 for r in rows) and float(rows[0][3]) == 1.0
+    assert "a new lr every step" in proc.stdout and "cProfile" in proc.stdout
+    # light's float lr: one recompile when it first changes (Dynamo's automatic dynamic);
+    # plain Inductor with a float lr would recompile at each of the 8 values
+    assert proc.stderr.count("Recompiling function step") <= 1, proc.stderr[-4000:]

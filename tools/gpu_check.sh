@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue 26's GPU measurements as one device call of at most 10 minutes (a session has 15
 # minutes of device time, a machine start included), logs under $OUT (else gpu_out/):
-#   bash tools/gpu_check.sh                      # tests step llama, about 9 minutes
-#   bash tools/gpu_check.sh llama_cg step_t300   # the rest, in a later call or session
+#   bash tools/gpu_check.sh                # tests llama_cg step_large, at most 9 minutes
+#   bash tools/gpu_check.sh step llama     # the rest, in a later call or session
 # Each part has its own time limit, so a part that runs long costs only its own figures;
 # parts.txt says how each ended.  Before it, here: bash ../shared/device-prep.sh (expecttest's
 # wheel into .whl/, carried).  Parts:
 #   tests      the GPU tests, 8 workers: CUDA-graph capture, Triton against the C++ path,
 #              host cost, schedules (120 s)
 #   step       benchmarks.step at --size gpu: fused AdamW fp32 and bf16, light, plus, and
-#              the captured variants (180 s)
+#              the captured variants (300 s)
 #   llama      examples/train_llama.py at its default size, the four strategies (240 s)
-#   llama_cg   the same, light and plus captured as CUDA graphs (240 s)
-#   step_t300  benchmarks.step at >= 300M parameters, where memory dominates (240 s)
+#   llama_cg   the same, light and plus captured as CUDA graphs (230 s)
+#   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
+#              captured variants included (200 s)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -38,20 +39,20 @@ part() {  # part SECONDS LOG COMMAND...: one part, stopped at its limit
 
 run() {
     case $1 in
-    tests) part 120 tests.log python3 -m pytest -n 8 -q -rs tests/test_cudagraphs.py \
+    tests) part 110 tests.log python3 -m pytest -n 8 -q -rs tests/test_cudagraphs.py \
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
-        tests/test_lifecycle.py tests/test_schedules.py ;;
-    step) part 180 step.log python3 -m benchmarks.step --device cuda --size gpu \
-        --variants fused light plus cudagraphs ;;
+        tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
+    step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
+        --variants fused light plus cudagraphs --json "$out/step.json" ;;
     llama) part 240 llama.log python3 examples/train_llama.py --device cuda --out "$out/llama" ;;
-    llama_cg) part 240 llama_cg.log python3 examples/train_llama.py --device cuda --cudagraphs \
-        --strategies collage-light,collage-plus --out "$out/llama_cg" ;;
-    step_t300) part 240 step_t300.log python3 -m benchmarks.step --device cuda --size t300 \
-        --variants fused light plus ;;
+    llama_cg) part 230 llama_cg.log python3 examples/train_llama.py --device cuda --cudagraphs \
+        --out "$out/llama_cg" ;;
+    step_large) part 200 step_large.log python3 -m benchmarks.step --device cuda --size large \
+        --variants fused light plus cudagraphs --json "$out/step_large.json" ;;
     *) echo "unknown part $1" >&2 ;;
     esac
 }
 
-for name in "${@:-tests step llama}"; do
+for name in "${@:-tests llama_cg step_large}"; do
     for one in $name; do run "$one"; done
 done
