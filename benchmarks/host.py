@@ -2,7 +2,7 @@
 
     python -m benchmarks.host [--tensors 48,300] [--rounds 7] [--steps 200]
     python -m benchmarks.host --device cuda --tensors 75 --schedule \\
-        --variants fused32,fused16,plain,light,plain-cg,light-cg,plus-cg --profile light-cg
+        --variants plain,fused32,fused16,light,plain-cg,light-cg,plus-cg --profile light-cg
 
 Each parameter holds 8 bf16 elements, so the kernels cost next to nothing and the time of a
 step is the host's: Dynamo's guards, the compiled module's call, and for collage the
@@ -15,9 +15,10 @@ device synchronized at the end of each round: with kernels this small the device
 the host, so that is the host's time per step, launches included.  There ``fused32`` and
 ``fused16`` are torch's ``AdamW(fused=True)`` run eagerly (fp32 and bf16 weights), and
 ``-cg`` variants are captured as CUDA graphs (plain: ``mode="reduce-overhead"``; collage:
-``cudagraphs=True``).  ``--schedule`` sets a new learning rate before every step, as a
-scheduler does: a Python float, except for plain Inductor, which recompiles for each new
-float and gets a tensor lr, as torch advises.  ``--profile VARIANT`` prints where that variant's host time goes
+``cudagraphs=True``).  Collage variants are compiled by ``compile_optimizer``.
+``--schedule`` adds a LambdaLR that sets a new learning rate after every step: a Python
+float, except for plain Inductor, which recompiles for each new float and gets a tensor lr,
+as torch advises.  ``--profile VARIANT`` prints where that variant's host time goes
 (cProfile, the 25 costliest functions by their own time).
 """
 
@@ -27,6 +28,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -38,6 +40,8 @@ EAGER = ("fused32", "fused16")
 
 
 def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> Callable[[], None]:
+    """One variant's step on ``n`` tensors, compiled and settled; with ``schedule`` a
+    LambdaLR after it, as a training loop calls them."""
     import collage_compile
 
     g = torch.Generator().manual_seed(0)
@@ -47,8 +51,8 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
         p.grad = (1e-3 * torch.randn(8, generator=g)).to(device, dtype)
     fused = variant in EAGER
     mode, _, captured = variant.partition("-")
-    # stock Inductor recompiles for each new float lr: torch's advice is a tensor lr
-    # (a tensor lr is refused with foreach=True unless capturable; torch's default then)
+    # stock Inductor recompiles for each new float lr: torch's advice is a tensor lr (which
+    # foreach=True refuses unless capturable: torch's default then)
     tensor_lr = schedule and mode == "plain"
     opt = torch.optim.AdamW(
         ps,
@@ -57,22 +61,16 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
         foreach=None if fused or tensor_lr else True,
         fused=fused or None,
     )
-    if fused:
-        step = opt.step
-    elif mode == "plain":
+    if not fused and mode != "plain":  # before the scheduler, as the GPU demo does
+        collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=bool(captured))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 + (i % 97) / 97)
+    step = opt.step
+    if mode == "plain":
         step = torch.compile(opt.step, mode="reduce-overhead" if captured else None)
-    else:
-        backend = collage_compile.make_backend(mode=mode, cudagraphs=bool(captured))
-        step = torch.compile(opt.step, backend=backend)
-    lrs = iter(1e-4 * (1 + (i % 97) / 97) for i in range(10**9))
 
     def scheduled() -> None:
-        group = opt.param_groups[0]
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(next(lrs))
-        else:
-            group["lr"] = next(lrs)
         step()
+        sched.step()
 
     run = scheduled if schedule else step
     for _ in range(5):  # compile (and capture), then settle
@@ -91,7 +89,7 @@ def main() -> None:
         default=",".join(VARIANTS),
         help=f"a comma-separated subset of {VARIANTS + EAGER + CUDA_ONLY} ('plain' first)",
     )
-    ap.add_argument("--schedule", action="store_true", help="a new lr before every step")
+    ap.add_argument("--schedule", action="store_true", help="a new lr after every step (LambdaLR)")
     ap.add_argument("--profile", metavar="VARIANT", help="cProfile this variant's steps")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -103,7 +101,13 @@ def main() -> None:
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64  # one cache entry per variant of AdamW.step
     counts = [int(x) for x in args.tensors.split(",")]
-    steps = {(v, n): build(v, n, args.device, args.schedule) for n in counts for v in variants}
+    steps = {}
+    for n in counts:
+        for v in variants:
+            try:  # a variant that fails on this torch costs its own row, not the others'
+                steps[v, n] = build(v, n, args.device, args.schedule)
+            except Exception as e:
+                print(f"{v} at {n} tensors failed: {type(e).__name__}: {e}", file=sys.stderr)
     times = timed(steps, args.rounds, args.steps, args.device)
     clock = "thread CPU time" if args.device == "cpu" else "wall, synchronized per round"
     print(
@@ -113,11 +117,14 @@ def main() -> None:
     )
     print(f"{'tensors':>7} {'variant':8} {'us/step':>9} {'vs plain':>8} {'us/tensor':>9}")
     for n in counts:
-        base = statistics.median(times["plain", n])
+        base = statistics.median(times["plain", n]) if ("plain", n) in times else None
         for v in variants:
+            if (v, n) not in times:
+                continue
             med = statistics.median(times[v, n])
-            print(f"{n:7d} {v:8} {med:9.1f} {med / base:8.2f} {med / n:9.2f}")
-    if args.profile:
+            ratio = f"{med / base:8.2f}" if base else f"{'-':>8}"
+            print(f"{n:7d} {v:8} {med:9.1f} {ratio} {med / n:9.2f}")
+    if args.profile and (args.profile, counts[-1]) in steps:
         profile(steps[args.profile, counts[-1]], args.steps)
 
 

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Issue 26's GPU measurements as one device call of at most 10 minutes (a session has 15
 # minutes of device time, a machine start included), logs under $OUT (else gpu_out/):
-#   bash tools/gpu_check.sh                # tests llama_cg step_large, at most 9 minutes
-#   bash tools/gpu_check.sh step llama     # the rest, in a later call or session
+#   bash tools/gpu_check.sh                  # tests host llama_cg, at most 9 minutes
+#   bash tools/gpu_check.sh step_large step  # the others, in a later call or session
 # Each part has its own time limit, so a part that runs long costs only its own figures;
 # parts.txt says how each ended.  Before it, here: bash ../shared/device-prep.sh (expecttest's
-# wheel into .whl/, carried).  Parts:
-#   tests      the GPU tests, 8 workers: CUDA-graph capture, Triton against the C++ path,
-#              host cost, schedules (120 s)
-#   step       benchmarks.step at --size gpu: fused AdamW fp32 and bf16, light, plus, and
-#              the captured variants (300 s)
-#   llama      examples/train_llama.py at its default size, the four strategies (240 s)
-#   llama_cg   the same, light and plus captured as CUDA graphs (230 s)
+# wheel into .whl/, carried).  Parts, with what they took on the H100 on 2026-11-26:
+#   tests      the GPU tests, 12 workers: CUDA-graph capture, Triton against the C++ path,
+#              host cost, schedules (104 s with a warm cache; cold at 8 workers > 110 s)
+#   host       benchmarks.host at the demo's tensor count with a new lr every step: where
+#              a captured step's host time goes, fused AdamW beside it (150 s)
+#   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (166 s)
+#   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
-#              captured variants included (200 s)
+#              captured variants included (140 s)
+#   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
+#              compiles 60-70 s there, plain Inductor 30 s) (300 s)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -39,11 +41,13 @@ part() {  # part SECONDS LOG COMMAND...: one part, stopped at its limit
 
 run() {
     case $1 in
-    tests) part 110 tests.log python3 -m pytest -n 8 -q -rs tests/test_cudagraphs.py \
+    tests) part 150 tests.log python3 -m pytest -n 12 -q -rs tests/test_cudagraphs.py \
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
         --variants fused light plus cudagraphs --json "$out/step.json" ;;
+    host) part 150 host.log python3 -m benchmarks.host --device cuda --tensors 75 --schedule \
+        --variants plain,fused32,fused16,light,plus,plain-cg,light-cg,plus-cg --profile light-cg ;;
     llama) part 240 llama.log python3 examples/train_llama.py --device cuda --out "$out/llama" ;;
     llama_cg) part 230 llama_cg.log python3 examples/train_llama.py --device cuda --cudagraphs \
         --out "$out/llama_cg" ;;
@@ -53,6 +57,6 @@ run() {
     esac
 }
 
-for name in "${@:-tests llama_cg step_large}"; do
+for name in "${@:-tests host llama_cg}"; do
     for one in $name; do run "$one"; done
 done
