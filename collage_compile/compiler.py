@@ -165,7 +165,11 @@ def _compile_graph(
 ) -> Callable[..., Any]:
     watch.install()
     if _compat.is_step_tick_graph(gm):
-        return gm.forward  # the optimizer watch's call after a step: nothing to compile
+        # the optimizer watch's call after a step: nothing to compile, and the watch is
+        # called directly rather than through its op (the dispatcher's Python wrapping
+        # cost about as much as the watch itself)
+        ticks = _compat.step_tick_ids(gm)
+        return _StepTicks(_without_step_ticks(gm).forward, ticks)
     names.learn(gm, list(example_inputs))
     ticks = _compat.step_tick_ids(gm)
     compiled = _compile_rewritten(gm, example_inputs, config, record)
