@@ -445,14 +445,14 @@ def format_table(res: dict[str, Any]) -> str:
         f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "
         f"{res['steps_per_sample']} steps ({res['clock']}); copy bandwidth "
         f"{res['copy_GBps']:.1f} GB/s",
-        f"{'variant':<20} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
+        f"{'variant':<24} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
         f"{'vs fused32':>10} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
         f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
     ]
     for r in res["rows"]:
         lines.append(
-            f"{r['variant']:<20} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
+            f"{r['variant']:<24} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
             f"{r['vs_fp32_master']:7.2f} {r['vs_plain_bf16']:7.2f} "
             f"{f(r['vs_fused_fp32'], '.2f'):>10} "
             f"{f(r['floor_bytes_per_param'], 'd'):>7} {f(r['floor_GBps'], '.1f'):>6} "
