@@ -97,8 +97,8 @@ def test_a_steady_step_does_not_synchronize_with_the_device():
 def test_the_optimizer_watch_runs_after_each_step_without_its_op(monkeypatch):
     """The graph Dynamo captures after torch.optim's step holds only the watch's op; the
     backend calls the watch directly instead of dispatching the op (its Python wrapping
-    cost about 80 us a step on this CPU, a quarter of light's host time at 75 tensors,
-    ``python -m benchmarks.host``).  The watch still runs once per step."""
+    cost about 50 us a step on this CPU, a fifth of light's host time at 75 tensors,
+    docs/speed.md).  The watch still runs once per step."""
     from collage_compile import _compat
 
     step = _step(3, "light")
