@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -114,6 +115,9 @@ def train_one(
     from transformers import get_cosine_schedule_with_warmup
 
     torch._dynamo.reset()
+    # whatever of the last strategy sits in reference cycles (a compiled step holds its
+    # optimizer) is freed before this one's peak is measured
+    gc.collect()
     if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
