@@ -173,20 +173,91 @@ def dynamic_from_the_first_compile(fn: Callable[..., Any], sources: Sequence[str
     (``CodeId.make`` takes the closure on 2.13; the functions here have none).  On a torch
     whose frame state differs it does nothing: the step then compiles twice, as before
     (``tests/test_schedules.py -k once`` fails there)."""
-    try:
-        from torch._dynamo import pgo
-
-        state = pgo.get_code_state()
-        entry = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
-    except (ImportError, AttributeError, TypeError):
-        return
     while fn is not None:
         code = getattr(fn, "__code__", None)
         if code is not None and not getattr(fn, "__closure__", None):
-            entries = state[pgo.CodeId.make(code)].automatic_dynamic
-            for name in sources:
-                entries[name] = dataclasses.replace(entry)
+            _mark_auto_dynamic(code, None, sources)
         fn = getattr(fn, "__wrapped__", None)
+
+
+def _mark_auto_dynamic(code: Any, closure: Any, sources: Sequence[str]) -> list[str] | None:
+    """Write ``auto_dynamic`` for ``sources`` into the frame state of ``code``; the sources
+    that were not so already, or None where this torch's frame state is not the one
+    checked."""
+    try:
+        from torch._dynamo import pgo
+
+        entry = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+        try:  # 2.13 keys a code by its closure too
+            key = pgo.CodeId.make(code, closure)
+        except TypeError:  # 2.11: by the code alone
+            key = pgo.CodeId.make(code)
+        entries = pgo.get_code_state()[key].automatic_dynamic
+        new = [n for n in sources if n not in entries or entries[n].scalar is not pgo.auto_dynamic]
+    except (ImportError, AttributeError, TypeError):
+        return None
+    for name in new:
+        entries[name] = dataclasses.replace(entry)
+    return new
+
+
+def retrace_with_dynamic_floats(wanted: Callable[[Any, Any], bool]) -> None:
+    """Called by the backend as a compile begins: if the frame Dynamo is tracing took a float
+    ``holder[key]`` (a dict item) as a constant and ``wanted(holder, key)`` says it will
+    change (a scheduled lr), mark it automatic-dynamic in the frame's state and raise
+    ``TensorifyScalarRestartAnalysis``, the one exception Dynamo lets a backend raise to
+    trace the frame again, which then takes the float as an input.  So a user's
+    ``torch.compile(step_fn, backend="collage")`` compiles a schedule once, as
+    ``compile_optimizer`` does (:func:`dynamic_from_the_first_compile`), instead of a
+    first time for the starting value and again at the first change; the cost is one more
+    trace of the frame, no lowering (the trace starts afresh: its speculation log, where
+    Dynamo keeps the graph breaks it met, is cleared).  The constant is found among the guards Dynamo has
+    installed so far (``CONSTANT_MATCH`` on a ``DictGetItemSource``), its holder by
+    evaluating the guard's source in the frame, as Dynamo's own guards do.  A float whose
+    frame state already says dynamic is left as traced (Dynamo specialized it anyway), so
+    a frame is traced again at most once.  Does nothing under compiler collectives (the
+    ranks agree on frame state there), with ``specialize_float`` or without
+    ``automatic_dynamic_shapes``, or where any of it is not as checked on 2.11 and 2.13."""
+    try:
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo import exc
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._guards import TracingContext
+
+        tx = InstructionTranslator.current_tx()
+        context = TracingContext.try_get()
+        if context is None or getattr(tx, "distributed_state", None) is not None:
+            return
+        if dynamo_config.specialize_float or not dynamo_config.automatic_dynamic_shapes:
+            return
+        guards = list(context.guards_context.dynamo_guards)
+        scope = {"G": tx.f_globals, "L": tx.f_locals}
+        closure = getattr(tx, "closure", None)
+        restart = exc.TensorifyScalarRestartAnalysis
+        speculation = tx.speculation_log
+    except Exception:
+        return
+    names = []
+    for guard in guards:
+        source = guard.originating_source
+        if guard.create_fn_name() not in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+            continue
+        if not (hasattr(source, "base") and hasattr(source, "index")):
+            continue
+        try:
+            holder = source.base.get_value(scope, {}, {})
+            if isinstance(holder[source.index], float) and wanted(holder, source.index):
+                names.append(guard.name)
+        except Exception:
+            continue
+    new = _mark_auto_dynamic(tx.f_code, closure, list(dict.fromkeys(names))) if names else None
+    if new:
+        # the new trace may branch differently (a symbol, not a constant): it must not
+        # replay the graph breaks the first one logged (its SpeculationLog), as a restart
+        # for a Dynamo graph break would
+        speculation.clear()
+        reason = f"collage: {', '.join(new)} will change: traced again as inputs"
+        raise restart(restart_reason=reason)
 
 
 def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:

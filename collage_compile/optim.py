@@ -93,10 +93,22 @@ def _scheduled_lr_dynamic(optimizer: torch.optim.Optimizer) -> None:
     sources = [
         f"L['self'].param_groups[{i}]['lr']"
         for i, group in enumerate(optimizer.param_groups)
-        if "initial_lr" in group and isinstance(group["lr"], float)
+        if is_scheduled(group, "lr")
     ]
     if sources:
         _compat.dynamic_from_the_first_compile(type(optimizer).step, sources)
+
+
+def is_scheduled(holder: Any, key: Any) -> bool:
+    """Whether ``holder[key]`` is a float an LR scheduler changes every step: a param
+    group's ``lr`` once a scheduler has set the group's ``initial_lr``."""
+    return (
+        key == "lr"
+        and isinstance(holder, dict)
+        and "initial_lr" in holder
+        and "params" in holder
+        and isinstance(holder["lr"], float)
+    )
 
 
 def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:

@@ -137,8 +137,24 @@ def capture(monkeypatch):
     return GraphCapture(monkeypatch)
 
 
-def step_compiles(counter) -> int:
-    """Graphs a ``CompileCounterWithBackend`` saw, less the optimizer watch's one-op graphs
+class CompiledGraphs:
+    """A backend that records every graph ``backend`` compiled.  Unlike
+    ``torch._dynamo.testing.CompileCounterWithBackend`` it does not count a graph the
+    backend sent back to be traced again (a scheduled lr Dynamo took as a constant:
+    ``_compat.retrace_with_dynamic_floats``): that costs a trace, not a compile."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        compiled = self.backend(gm, example_inputs)
+        self.graphs.append(gm)
+        return compiled
+
+
+def step_compiles(counter: CompiledGraphs) -> int:
+    """Graphs compiled, less the optimizer watch's one-op graphs
     (``collage::optimizer_stepped`` after a torch.optim step's graph break)."""
     return sum(not _compat.is_step_tick_graph(gm) for gm in counter.graphs)
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import user_optimizers
-from conftest import GraphCapture, assert_snapshot, relative_error, step_compiles
+from conftest import CompiledGraphs, GraphCapture, assert_snapshot, relative_error, step_compiles
 
 import collage_compile
 from collage_compile import _compat
@@ -228,7 +228,7 @@ def run(cls, kwargs, stream, foreach, backend, seed=0, scheduled=True):
     if backend is None:
         step = opt.step
     else:
-        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        counter = CompiledGraphs(backend)
         step = torch.compile(opt.step, backend=counter)
     g = torch.Generator().manual_seed(seed + 1)
     for k in range(steps):
