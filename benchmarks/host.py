@@ -19,14 +19,20 @@ the host, so that is the host's time per step, launches included.  There ``fused
 ``--schedule`` adds a LambdaLR that sets a new learning rate after every step: a Python
 float, except for plain Inductor, which recompiles for each new float and gets a tensor lr,
 as torch advises.  ``--profile VARIANT`` prints where that variant's host time goes
-(cProfile, the 25 costliest functions by their own time).
+(cProfile, the 25 costliest functions by their own time).  ``--code DIR`` writes the code
+Inductor generated for each variant there and prints, per variant, what a captured step
+costs beyond one replay: graph partitions (each replayed and checked on its own; Inductor
+splits a captured graph at CPU work and device copies), host reads of 0-dim CPU inputs
+(``.item()``) and kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -93,6 +99,7 @@ def main() -> None:
     )
     ap.add_argument("--schedule", action="store_true", help="a new lr after every step (LambdaLR)")
     ap.add_argument("--profile", metavar="VARIANT", help="cProfile this variant's steps")
+    ap.add_argument("--code", metavar="DIR", help="write each variant's generated code here")
     args = ap.parse_args()
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS + EAGER + CUDA_ONLY)
@@ -103,11 +110,11 @@ def main() -> None:
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64  # one cache entry per variant of AdamW.step
     counts = [int(x) for x in args.tensors.split(",")]
-    steps = {}
+    steps, codes = {}, {}
     for n in counts:
         for v in variants:
             try:  # a variant that fails on this torch costs its own row, not the others'
-                steps[v, n] = build(v, n, args.device, args.schedule)
+                steps[v, n] = built(v, n, args, codes)
             except Exception as e:
                 print(f"{v} at {n} tensors failed: {type(e).__name__}: {e}", file=sys.stderr)
     times = timed(steps, args.rounds, args.steps, args.device)
@@ -126,8 +133,31 @@ def main() -> None:
             med = statistics.median(times[v, n])
             ratio = f"{med / base:8.2f}" if base else f"{'-':>8}"
             print(f"{n:7d} {v:8} {med:9.1f} {ratio} {med / n:9.2f}")
+    if codes:
+        print(f"\ngenerated code, in {args.code}: files, then summed over them")
+        print(f"{'tensors':>7} {'variant':8} {'files':>5} {'partitions':>10} {'.item()':>7}")
+        for (v, n), texts in codes.items():
+            parts = sum(len(re.findall(r"= self\.partitions\[\d+\]\(", t)) for t in texts)
+            items = sum(t.count(".item()") for t in texts)
+            print(f"{n:7d} {v:8} {len(texts):5d} {parts:10d} {items:7d}")
     if args.profile and (args.profile, counts[-1]) in steps:
         profile(steps[args.profile, counts[-1]], args.steps)
+
+
+def built(variant: str, n: int, args: argparse.Namespace, codes: dict) -> Callable[[], None]:
+    """:func:`build`; with ``--code``, the code Inductor generated meanwhile is kept in
+    ``codes`` and written to files."""
+    if not args.code:
+        return build(variant, n, args.device, args.schedule)
+    from collage_compile import _compat
+
+    step, texts = _compat.run_and_keep_kernel_code(build, variant, n, args.device, args.schedule)
+    os.makedirs(args.code, exist_ok=True)
+    for i, text in enumerate(texts):
+        with open(os.path.join(args.code, f"{variant}-{n}-{i}.py"), "w") as f:
+            f.write(text)
+    codes[variant, n] = texts
+    return step
 
 
 def timed(steps: dict, rounds: int, n_steps: int, device: str) -> dict:

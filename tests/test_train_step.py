@@ -14,9 +14,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from conftest import CompiledGraphs, step_compiles
 
 import collage_compile
-from conftest import CompiledGraphs, step_compiles
 
 
 class Block(torch.nn.Module):

@@ -9,7 +9,8 @@
 #   tests      the GPU tests, 12 workers: CUDA-graph capture, Triton against the C++ path,
 #              host cost, schedules (104 s with a warm cache; cold at 8 workers > 110 s)
 #   host       benchmarks.host at the demo's tensor count with a new lr every step: where
-#              a captured step's host time goes, fused AdamW beside it (150 s)
+#              a captured step's host time goes, fused AdamW beside it, and the code
+#              Inductor generated (code/: graph partitions, host reads of CPU scalars) (150 s)
 #   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (166 s)
 #   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
@@ -47,7 +48,8 @@ run() {
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
         --variants fused light plus cudagraphs --json "$out/step.json" ;;
     host) part 150 host.log python3 -m benchmarks.host --device cuda --tensors 75 --schedule \
-        --variants plain,fused32,fused16,light,plus,plain-cg,light-cg,plus-cg --profile light-cg ;;
+        --variants plain,fused32,fused16,light,plus,plain-cg,light-cg,plus-cg --profile light-cg \
+        --code "$out/code" ;;
     llama) part 240 llama.log python3 examples/train_llama.py --device cuda --out "$out/llama" ;;
     llama_cg) part 230 llama_cg.log python3 examples/train_llama.py --device cuda --cudagraphs \
         --out "$out/llama_cg" ;;
