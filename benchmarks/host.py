@@ -151,7 +151,9 @@ def built(variant: str, n: int, args: argparse.Namespace, codes: dict) -> Callab
         return build(variant, n, args.device, args.schedule)
     from collage_compile import _compat
 
-    step, texts = _compat.run_and_keep_kernel_code(build, variant, n, args.device, args.schedule)
+    step, texts = _compat.run_and_keep_kernel_code(
+        build, variant, n, args.device, args.schedule, fresh=True
+    )
     os.makedirs(args.code, exist_ok=True)
     for i, text in enumerate(texts):
         with open(os.path.join(args.code, f"{variant}-{n}-{i}.py"), "w") as f:

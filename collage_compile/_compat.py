@@ -771,19 +771,27 @@ def fused_optimizer_ops() -> dict[Any, str]:
     return {getattr(torch, n): label for n, label in names.items() if hasattr(torch, n)}
 
 
-def run_and_keep_kernel_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
+def run_and_keep_kernel_code(
+    fn: Callable[..., Any], *args: Any, fresh: bool = False
+) -> tuple[Any, list[str]]:
     """Run ``fn`` and return (result, the source files Inductor generated while it ran).
 
     Unlike :func:`run_and_get_kernel_code` this does not reset Dynamo first, so functions
     compiled before stay compiled (benchmarks compare several compiled steps in one run;
     a reset would recompile each of them, without any patch active at its first compile).
+    A graph Inductor loads from its FX graph cache has no code generated: with ``fresh``
+    the cache is off meanwhile.
     """
     from unittest import mock
 
+    import torch._inductor.config as inductor_config
     from torch._inductor.graph import GraphLowering
 
     codes: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+    with (
+        inductor_config.patch(fx_graph_cache=not fresh and inductor_config.fx_graph_cache),
+        mock.patch.object(GraphLowering, "save_output_code", codes.append),
+    ):
         result = fn(*args)
     return result, codes
 

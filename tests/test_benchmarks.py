@@ -125,10 +125,19 @@ def test_host_benchmark_times_each_variant_under_a_schedule_without_recompiling(
     env["TORCH_LOGS"] = "recompiles"
     cmd = [sys.executable, "-m", "benchmarks.host", "--tensors", "3", "--rounds", "1"]
     cmd += ["--steps", "3", "--schedule", "--variants", "plain,light,fused32", "--profile", "light"]
+    cmd += ["--code", str(tmp_path / "code")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("      3 ")]
+    timing, _, code = proc.stdout.partition("generated code")
+    rows = [line.split() for line in timing.splitlines() if line.startswith("      3 ")]
     assert [r[1] for r in rows] == ["plain", "light", "fused32"], proc.stdout
+    # the code of each compiled variant (fused32 runs eagerly): no partition and no host
+    # read of a CPU scalar on a CPU (a captured CUDA step is what may have them)
+    files = [line.split() for line in code.splitlines() if line.startswith("      3 ")]
+    assert [f[1] for f in files] == ["plain", "light", "fused32"], code
+    assert [f[3:] for f in files] == [["0", "0"]] * 3, code
+    assert int(files[0][2]) >= 1 and int(files[1][2]) >= 1 and files[2][2] == "0", code
+    assert "def call(" in (tmp_path / "code" / "light-3-0.py").read_text()
     assert all(float(r[2]) > 0 for r in rows) and float(rows[0][3]) == 1.0
     assert "a new lr every step" in proc.stdout and "cProfile" in proc.stdout
     # (each variant's own optimizer compiles the same code once more; none for a new lr:
