@@ -201,18 +201,19 @@ def _mark_auto_dynamic(code: Any, closure: Any, sources: Sequence[str]) -> list[
     return new
 
 
-def retrace_with_dynamic_floats(wanted: Callable[[Any, Any], bool]) -> None:
+def retrace_with_dynamic_floats(wanted: Callable[[dict[str, Any], tuple[Any, ...]], bool]) -> None:
     """Called by the backend as a compile begins: if the frame Dynamo is tracing took a float
-    ``holder[key]`` (a dict item) as a constant and ``wanted(holder, key)`` says it will
-    change (a scheduled lr), mark it automatic-dynamic in the frame's state and raise
+    in an optimizer's param group as a constant (at ``path`` in ``group``: ``("lr",)``,
+    ``("betas", 0)``) and ``wanted(group, path)`` says it will change (a scheduled lr),
+    mark it automatic-dynamic in the frame's state and raise
     ``TensorifyScalarRestartAnalysis``, the one exception Dynamo lets a backend raise to
     trace the frame again, which then takes the float as an input.  So a user's
     ``torch.compile(step_fn, backend="collage")`` compiles a schedule once, as
     ``compile_optimizer`` does (:func:`dynamic_from_the_first_compile`), instead of a
     first time for the starting value and again at the first change; the cost is one more
     trace of the frame, no lowering (the trace starts afresh: its speculation log, where
-    Dynamo keeps the graph breaks it met, is cleared).  The constant is found among the guards Dynamo has
-    installed so far (``CONSTANT_MATCH`` on a ``DictGetItemSource``), its holder by
+    Dynamo keeps the graph breaks it met, is cleared).  The constant is found among the
+    guards Dynamo has installed so far (``CONSTANT_MATCH`` on an item source), its group by
     evaluating the guard's source in the frame, as Dynamo's own guards do.  A float whose
     frame state already says dynamic is left as traced (Dynamo specialized it anyway), so
     a frame is traced again at most once.  Does nothing under compiler collectives (the
@@ -239,14 +240,11 @@ def retrace_with_dynamic_floats(wanted: Callable[[Any, Any], bool]) -> None:
         return
     names = []
     for guard in guards:
-        source = guard.originating_source
         if guard.create_fn_name() not in ("CONSTANT_MATCH", "EQUALS_MATCH"):
             continue
-        if not (hasattr(source, "base") and hasattr(source, "index")):
-            continue
         try:
-            holder = source.base.get_value(scope, {}, {})
-            if isinstance(holder[source.index], float) and wanted(holder, source.index):
+            found = _param_group_item(guard.originating_source, scope)
+            if found is not None and wanted(*found):
                 names.append(guard.name)
         except Exception:
             continue
@@ -258,6 +256,24 @@ def retrace_with_dynamic_floats(wanted: Callable[[Any, Any], bool]) -> None:
         speculation.clear()
         reason = f"collage: {', '.join(new)} will change: traced again as inputs"
         raise restart(restart_reason=reason)
+
+
+def _param_group_item(source: Any, scope: dict[str, Any]) -> tuple[dict, tuple] | None:
+    """(group, path) when ``source`` names a float at most two items deep in an optimizer's
+    param group (a dict with ``params``): ``group[path[0]]`` or ``group[path[0]][path[1]]``."""
+    path: list[Any] = []
+    for _ in range(2):
+        if not (hasattr(source, "base") and hasattr(source, "index")):
+            return None
+        path.insert(0, source.index)
+        source = source.base
+        holder = source.get_value(scope, {}, {})
+        if isinstance(holder, dict) and "params" in holder:
+            value = holder
+            for key in path:
+                value = value[key]
+            return (holder, tuple(path)) if isinstance(value, float) else None
+    return None
 
 
 def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:

@@ -84,31 +84,46 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
 
 
 def _scheduled_lr_dynamic(optimizer: torch.optim.Optimizer) -> None:
-    """Compile a scheduled lr as a symbol from the first step, so a schedule costs one
-    compile, not two (Dynamo specializes a float on its first value, then recompiles: at
-    warmup from lr = 0 the first graph served one step).  A group an LR scheduler drives
-    has ``initial_lr``; its float ``lr`` is read in the optimizer's own ``step``."""
+    """Compile what a scheduler changes (:func:`is_scheduled`) as a symbol from the first
+    step, so a schedule costs one compile, not two (Dynamo specializes a float on its first
+    value, then recompiles: at warmup from lr = 0 the first graph served one step).  Told
+    before the first trace, as here, Dynamo traces the step once; the backend would
+    otherwise send the frame back to be traced again (:func:`_compat.
+    retrace_with_dynamic_floats`), which costs one more trace of the step."""
     from collage_compile import _compat
 
     sources = [
-        f"L['self'].param_groups[{i}]['lr']"
+        f"L['self'].param_groups[{i}]" + "".join(f"[{key!r}]" for key in path)
         for i, group in enumerate(optimizer.param_groups)
-        if is_scheduled(group, "lr")
+        for path in _SCHEDULED
+        if is_scheduled(group, path) and isinstance(_item(group, path), float)
     ]
     if sources:
         _compat.dynamic_from_the_first_compile(type(optimizer).step, sources)
 
 
-def is_scheduled(holder: Any, key: Any) -> bool:
-    """Whether ``holder[key]`` is a float an LR scheduler changes every step: a param
-    group's ``lr`` once a scheduler has set the group's ``initial_lr``."""
-    return (
-        key == "lr"
-        and isinstance(holder, dict)
-        and "initial_lr" in holder
-        and "params" in holder
-        and isinstance(holder["lr"], float)
-    )
+# where in a param group a scheduler writes a float (is_scheduled says when it does)
+_SCHEDULED: tuple[tuple[Any, ...], ...] = (("lr",), ("momentum",), ("betas", 0))
+
+
+def _item(group: dict[str, Any], path: tuple[Any, ...]) -> Any:
+    value: Any = group
+    for key in path:
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
+
+
+def is_scheduled(group: dict[str, Any], path: tuple[Any, ...]) -> bool:
+    """Whether the float at ``path`` in a param group is one an LR scheduler changes every
+    step: the ``lr`` of a group a scheduler has set ``initial_lr`` in, and the momentum
+    (SGD's ``momentum``, Adam's ``betas[0]``) that OneCycleLR and CyclicLR cycle, once they
+    have set the group's ``max_momentum``."""
+    if path == ("lr",):
+        return "initial_lr" in group
+    return "max_momentum" in group and path in (("momentum",), ("betas", 0))
 
 
 def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
