@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, optim, remainder, report, state, watch
+from collage_compile import _compat, names, remainder, report, schedules, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
@@ -116,7 +116,7 @@ def compile_graph(
     (with ``every`` other than 1, twice: with the metrics and without, see
     :class:`_EveryK`).  A scheduled lr that Dynamo took as a constant is first sent back
     to be traced as an input (:func:`_compat.retrace_with_dynamic_floats`)."""
-    _compat.retrace_with_dynamic_floats(optim.is_scheduled)
+    _compat.retrace_with_dynamic_floats(schedules.is_scheduled)
     shown = f"the graph of {_compat.current_frame() or 'a compiled function'}"
     if config.cudagraphs and _uncapturable(gm, example_inputs):
         watch.cudagraphs_on_cpu(shown)

@@ -62,7 +62,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         if first:  # a scheduler made since compile_optimizer is known by now
             first.clear()
-            _scheduled_lr_dynamic(self)
+            _scheduled_dynamic(self)
         if closure is None:
             return compiled(*args, **kwargs)
         # torch.optim's step calls the closure first, with grad enabled, and returns its
@@ -83,47 +83,22 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     return optimizer
 
 
-def _scheduled_lr_dynamic(optimizer: torch.optim.Optimizer) -> None:
-    """Compile what a scheduler changes (:func:`is_scheduled`) as a symbol from the first
-    step, so a schedule costs one compile, not two (Dynamo specializes a float on its first
-    value, then recompiles: at warmup from lr = 0 the first graph served one step).  Told
-    before the first trace, as here, Dynamo traces the step once; the backend would
-    otherwise send the frame back to be traced again (:func:`_compat.
-    retrace_with_dynamic_floats`), which costs one more trace of the step."""
-    from collage_compile import _compat
+def _scheduled_dynamic(optimizer: torch.optim.Optimizer) -> None:
+    """Compile what a scheduler changes (:mod:`collage_compile.schedules`) as symbols from
+    the first step, so a schedule costs one compile, not two (Dynamo specializes a float on
+    its first value, then recompiles: at warmup from lr = 0 the first graph served one
+    step).  Told before the first trace, as here, Dynamo traces the step once; the backend
+    would otherwise send the frame back to be traced again
+    (:func:`_compat.retrace_with_dynamic_floats`): one more trace of the step."""
+    from collage_compile import _compat, schedules
 
     sources = [
         f"L['self'].param_groups[{i}]" + "".join(f"[{key!r}]" for key in path)
         for i, group in enumerate(optimizer.param_groups)
-        for path in _SCHEDULED
-        if is_scheduled(group, path) and isinstance(_item(group, path), float)
+        for path in schedules.scheduled_floats(group)
     ]
     if sources:
         _compat.dynamic_from_the_first_compile(type(optimizer).step, sources)
-
-
-# where in a param group a scheduler writes a float (is_scheduled says when it does)
-_SCHEDULED: tuple[tuple[Any, ...], ...] = (("lr",), ("momentum",), ("betas", 0))
-
-
-def _item(group: dict[str, Any], path: tuple[Any, ...]) -> Any:
-    value: Any = group
-    for key in path:
-        try:
-            value = value[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return value
-
-
-def is_scheduled(group: dict[str, Any], path: tuple[Any, ...]) -> bool:
-    """Whether the float at ``path`` in a param group is one an LR scheduler changes every
-    step: the ``lr`` of a group a scheduler has set ``initial_lr`` in, and the momentum
-    (SGD's ``momentum``, Adam's ``betas[0]``) that OneCycleLR and CyclicLR cycle, once they
-    have set the group's ``max_momentum``."""
-    if path == ("lr",):
-        return "initial_lr" in group
-    return "max_momentum" in group and path in (("momentum",), ("betas", 0))
 
 
 def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
