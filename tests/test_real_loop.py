@@ -118,7 +118,9 @@ def train(base, dtype, compiled, clip, scaler=None, skip=(), make_opt=_adamw):
     step = train_step
     if compiled == "whole":
         step = torch.compile(train_step, backend=collage_compile.backend)
-    graphs = len(report.reports())
+    # the id of the last graph compiled so far (the report log keeps the latest 256, so
+    # its length stops growing in a long session)
+    last = max((r.graph_id for r in report.reports()), default=0)
     for k, batch in enumerate(_batches()):
         hook = None
         if k in skip and scaler is not None:
@@ -127,7 +129,7 @@ def train(base, dtype, compiled, clip, scaler=None, skip=(), make_opt=_adamw):
         if hook is not None:
             hook.remove()
         sched.step()
-    return model, len(report.reports()) - graphs
+    return model, sum(r.graph_id > last for r in report.reports())
 
 
 def _flat(model, value=True):
