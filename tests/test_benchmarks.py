@@ -144,3 +144,27 @@ def test_host_benchmark_times_each_variant_under_a_schedule_without_recompiling(
     # plain Inductor with a float lr would recompile at each of the 8 values, and collage
     # once, at the first change, without compile_optimizer's dynamic lr)
     assert "['lr']" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_triton_compile_benchmark_compiles_each_kernel_for_an_h100():
+    """``python -m benchmarks.triton_compile``: the step's Triton kernels, generated under
+    the interpreter, compiled for sm_90 by Triton on this CPU; a row per variant, and no
+    collage kernel wider than Inductor's 250-buffer limit (the backend keeps it)."""
+    import triton_interp
+
+    if reason := triton_interp.available():
+        pytest.skip(reason)
+    cmd = [sys.executable, "-m", "benchmarks.triton_compile", "--layers", "1"]
+    cmd += ["--variants", "plain", "light"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {
+        r[0]: r[1:]
+        for r in (line.split() for line in proc.stdout.splitlines())
+        if r and r[0] in ("plain", "light")
+    }
+    assert set(rows) == {"plain", "light"}, proc.stdout
+    for kernels, launches, pointers, total, longest in rows.values():
+        assert int(kernels) >= 1 and int(launches) >= int(kernels)
+        assert 0 < int(pointers) <= 250
+        assert 0 <= float(longest) <= float(total)
