@@ -610,25 +610,6 @@ def no_input_asserts_patch() -> dict[str, Any]:
     return {"size_asserts": False}
 
 
-# Inductor's default, and the most a combo kernel may take here: 450 pointers are 3.6 KB of
-# a CUDA kernel's 4 KB parameter space (the limit before CUDA 12.1)
-_COMBO_ARGS, _COMBO_ARGS_MAX = 250, 450
-
-
-def combo_args_patch(tensor_inputs: int, lo_inputs: int) -> dict[str, Any]:
-    """Inductor config: room for each lo in a Triton combo kernel.  Inductor splits a
-    foreach step's combo kernels at 250 buffers read or written (``combo_kernel_max_num_args``,
-    2.11 and 2.13); each lo is one more read and one more write, so on the H100 the light
-    AdamW step over 48 tensors was 5 kernels where plain Inductor's was 4, plus 6 (each
-    launch costs host time when the step is not captured).  The limit grows by the share of
-    buffers the pairs add (``tests/test_triton.py -k combo``).  The C++ path has no combo
-    kernels."""
-    if tensor_inputs <= 0 or lo_inputs <= 0:
-        return {}
-    grown = _COMBO_ARGS * (tensor_inputs + 2 * lo_inputs) / tensor_inputs
-    return {"combo_kernel_max_num_args": min(_COMBO_ARGS_MAX, int(grown))}
-
-
 def bounded_inlining_patch() -> dict[str, Any]:
     """Inductor config that bounds what Inductor inlines into a graph's loops.
 

@@ -289,10 +289,8 @@ def _compile_rewritten(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
-    tensors = sum(isinstance(t, torch.Tensor) for t in example_inputs)
-    patches = {**_inductor_patches(config), **_compat.combo_args_patch(tensors, len(with_lo))}
     compiled = _compat.compile_with_inductor(
-        gm, [*example_inputs, *lo_examples], patches, config.cudagraphs
+        gm, [*example_inputs, *lo_examples], _inductor_patches(config), config.cudagraphs
     )
     return _LoInputs(compiled, upgraded, unchained, _graph_metrics(measured), readers)
 
