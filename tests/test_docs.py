@@ -40,6 +40,8 @@ ELSEWHERE = {
     "python -m benchmarks.metrics_overhead": "minutes of timing",
     "python -m benchmarks.rounding": "timing, under a minute",
     "python -m benchmarks.host": "timing, a minute; tests/test_host_cost.py counts the host work",
+    "python -m benchmarks.triton_compile": "Triton compiles, minutes; tests/test_benchmarks.py "
+    "runs it at one layer",
 }
 _COMMAND = re.compile(r"(?:^|`|\$ )(python3? (?:-m [^\s`]+|[^\s`]+\.py)(?: [^`\n]*)?)", re.M)
 
