@@ -202,10 +202,10 @@ def _mark_auto_dynamic(code: Any, closure: Any, sources: Sequence[str]) -> list[
 
 
 def retrace_with_dynamic_floats(wanted: Callable[[dict[str, Any], tuple[Any, ...]], bool]) -> None:
-    """Called by the backend as a compile begins: if the frame Dynamo is tracing took a float
-    in an optimizer's param group as a constant (at ``path`` in ``group``: ``("lr",)``,
-    ``("betas", 0)``) and ``wanted(group, path)`` says it will change (a scheduled lr),
-    mark it automatic-dynamic in the frame's state and raise
+    """Called by the backend as a compile begins: if the frame Dynamo is tracing took an item
+    of an optimizer's param group as a constant (at ``path`` in ``group``: ``("lr",)``,
+    ``("betas", 0)``) and ``wanted(group, path)`` says it is a float that will change (a
+    scheduled lr), mark it automatic-dynamic in the frame's state and raise
     ``TensorifyScalarRestartAnalysis``, the one exception Dynamo lets a backend raise to
     trace the frame again, which then takes the float as an input.  So a user's
     ``torch.compile(step_fn, backend="collage")`` compiles a schedule once, as
@@ -259,8 +259,8 @@ def retrace_with_dynamic_floats(wanted: Callable[[dict[str, Any], tuple[Any, ...
 
 
 def _param_group_item(source: Any, scope: dict[str, Any]) -> tuple[dict, tuple] | None:
-    """(group, path) when ``source`` names a float at most two items deep in an optimizer's
-    param group (a dict with ``params``): ``group[path[0]]`` or ``group[path[0]][path[1]]``."""
+    """(group, path) when ``source`` names an item at most two deep in an optimizer's param
+    group (a dict with ``params``): ``group[path[0]]`` or ``group[path[0]][path[1]]``."""
     path: list[Any] = []
     for _ in range(2):
         if not (hasattr(source, "base") and hasattr(source, "index")):
@@ -269,10 +269,7 @@ def _param_group_item(source: Any, scope: dict[str, Any]) -> tuple[dict, tuple] 
         source = source.base
         holder = source.get_value(scope, {}, {})
         if isinstance(holder, dict) and "params" in holder:
-            value = holder
-            for key in path:
-                value = value[key]
-            return (holder, tuple(path)) if isinstance(value, float) else None
+            return holder, tuple(path)
     return None
 
 

@@ -11,18 +11,17 @@ _PATHS: tuple[tuple[Any, ...], ...] = (("lr",), ("momentum",), ("betas", 0))
 
 
 def is_scheduled(group: dict[str, Any], path: tuple[Any, ...]) -> bool:
-    """Whether the float at ``path`` in a param group is one an LR scheduler changes every
-    step: the ``lr`` of a group a scheduler has set ``initial_lr`` in, and the momentum
-    (SGD's ``momentum``, Adam's ``betas[0]``) that OneCycleLR and CyclicLR cycle, once they
-    have set the group's ``max_momentum``."""
-    if path == ("lr",):
-        return "initial_lr" in group
-    return "max_momentum" in group and path in (("momentum",), ("betas", 0))
+    """Whether ``group`` holds at ``path`` a float an LR scheduler changes every step: the
+    ``lr`` of a group a scheduler has set ``initial_lr`` in, and the momentum (SGD's
+    ``momentum``, Adam's ``betas[0]``) that OneCycleLR and CyclicLR cycle, once they have
+    set the group's ``max_momentum``."""
+    announced = "initial_lr" if path == ("lr",) else "max_momentum"
+    return path in _PATHS and announced in group and isinstance(_item(group, path), float)
 
 
 def scheduled_floats(group: dict[str, Any]) -> list[tuple[Any, ...]]:
     """The paths in ``group`` of the floats a scheduler changes."""
-    return [p for p in _PATHS if is_scheduled(group, p) and isinstance(_item(group, p), float)]
+    return [p for p in _PATHS if is_scheduled(group, p)]
 
 
 def _item(group: dict[str, Any], path: tuple[Any, ...]) -> Any:
