@@ -23,7 +23,8 @@ as torch advises.  ``--profile VARIANT`` prints where that variant's host time g
 Inductor generated for each variant there and prints, per variant, what a captured step
 costs beyond one replay: graph partitions (each replayed and checked on its own; Inductor
 splits a captured graph at CPU work and device copies), host reads of 0-dim CPU inputs
-(``.item()``) and kernels.
+(``.item()``) and CPU buffers (work outside the replay: a CPU scalar input that Inductor
+copies to the device, through a pinned buffer, into a new tensor each step).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
     tensor_lr = schedule and mode == "plain"
     opt = torch.optim.AdamW(
         ps,
-        lr=torch.tensor(1e-4) if tensor_lr else 1e-4,
+        # on the step's device: a CPU tensor lr would be copied to it before each replay
+        lr=torch.tensor(1e-4, device=device) if tensor_lr else 1e-4,
         weight_decay=0.01,
         foreach=None if fused else True,
         fused=fused or None,
@@ -135,11 +137,15 @@ def main() -> None:
             print(f"{n:7d} {v:8} {med:9.1f} {ratio} {med / n:9.2f}")
     if codes:
         print(f"\ngenerated code, in {args.code}: files, then summed over them")
-        print(f"{'tensors':>7} {'variant':8} {'files':>5} {'partitions':>10} {'.item()':>7}")
+        print(
+            f"{'tensors':>7} {'variant':8} {'files':>5} {'partitions':>10} {'.item()':>7} "
+            f"{'cpu buffers':>11}"
+        )
         for (v, n), texts in codes.items():
             parts = sum(len(re.findall(r"= self\.partitions\[\d+\]\(", t)) for t in texts)
             items = sum(t.count(".item()") for t in texts)
-            print(f"{n:7d} {v:8} {len(texts):5d} {parts:10d} {items:7d}")
+            cpu = sum(len(re.findall(r"empty_strided_cpu(?:_pinned)?\(\(", t)) for t in texts)
+            print(f"{n:7d} {v:8} {len(texts):5d} {parts:10d} {items:7d} {cpu:11d}")
     if args.profile and (args.profile, counts[-1]) in steps:
         profile(steps[args.profile, counts[-1]], args.steps)
 

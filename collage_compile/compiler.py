@@ -279,6 +279,7 @@ def _compile_rewritten(
     if measured:
         rewrite.add_metrics_output(gm, measured)
     passes.finalize(gm)
+    scalars = rewrite.scalars_as_static_inputs(gm, fake_mode) if config.cudagraphs else []
     gm.graph.lint()
     gm.recompile()
     log.debug(
@@ -289,10 +290,20 @@ def _compile_rewritten(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
+    inputs = list(example_inputs)
+    for i, fake in scalars:
+        inputs[i] = fake
     compiled = _compat.compile_with_inductor(
-        gm, [*example_inputs, *lo_examples], _inductor_patches(config), config.cudagraphs
+        gm, [*inputs, *lo_examples], _inductor_patches(config), config.cudagraphs
     )
-    return _LoInputs(compiled, upgraded, unchained, _graph_metrics(measured), readers)
+    return _LoInputs(
+        compiled,
+        upgraded,
+        unchained,
+        _graph_metrics(measured),
+        readers,
+        scalars=[(i, torch.zeros((), dtype=torch.float64, device=f.device)) for i, f in scalars],
+    )
 
 
 def _compile_exact(
@@ -435,8 +446,12 @@ class _LoInputs:
         readers: list[Accumulator] = (),  # type: ignore[assignment]
         exact: bool = False,
         new_state: list[int] = (),  # type: ignore[assignment]
+        scalars: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
     ):
         self.compiled = compiled
+        # floats the graph reads from a tensor of its own, which keeps its address
+        # (rewrite.scalars_as_static_inputs): filled from Dynamo's input before each call
+        self._scalars = list(scalars)
         self.metrics = metrics
         # optimizers whose steps this graph ran: the watch checks them after each call
         self.ticks: list[int] = []
@@ -539,6 +554,8 @@ class _LoInputs:
         # before the call: the optimizer watch reads it after the call (self.ticks) or after
         # the step that follows
         watch.record_call(wrote)
+        if self._scalars:
+            args = self._with_scalars(args)
         with watch.in_call(self._shown):
             # Dynamo calls a backend's result with positional arguments (never boxed)
             out = self.compiled(*args, *call_los)
@@ -559,6 +576,16 @@ class _LoInputs:
         if self.ticks:
             _compat.run_step_ticks(self.ticks)
         return out
+
+    def _with_scalars(self, args: tuple[Any, ...]) -> list[Any]:
+        """``args`` with each float the graph reads from its own tensor in that tensor, filled
+        with the value Dynamo passed (a CPU tensor: the fill takes it as a kernel argument,
+        no copy from host memory, no synchronization)."""
+        args = list(args)  # type: ignore[assignment]
+        for idx, t in self._scalars:
+            t.fill_(args[idx])
+            args[idx] = t  # type: ignore[index]
+        return args  # type: ignore[return-value]
 
     def _pair_new_state(self, out: Any) -> Any:
         """Register the remainders the graph returns after its outputs with the new

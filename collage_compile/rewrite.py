@@ -483,6 +483,70 @@ def add_lo_inputs(
         placeholders.append(node)
 
 
+def scalars_as_static_inputs(gm: fx.GraphModule, fake_mode: Any) -> list[tuple[int, Any]]:
+    """For a step captured as a CUDA graph: every float Dynamo passes in as a 0-dim CPU
+    float64 tensor (a scheduled lr) that the graph reads only as MCF hyperparameters
+    (:func:`hyperparameter_f64`'s ``zeros(device) + x.item()``) becomes an input on that
+    device, marked static: the wrapper fills one tensor per graph with the value and
+    passes it instead.  Returns, for each, the input's index and its new example value.
+
+    Why: Inductor moves a CPU scalar input to the device outside the captured partition
+    (``move_constructors_to_gpu``), into a new tensor each call, and cudagraph trees copy
+    every non-static input into the graph's own with one ``_foreach_copy_``, whose fused
+    kernel needs one dtype across the list; a float64 scalar among bf16 gradients sent it
+    to its per-tensor loop, ~5 us of host time a tensor (on the H100, 410 of the 1020 us a
+    75-tensor step took).  The value is the same float64 either way.  The new example
+    keeps the symbol Dynamo gave the float (its ``.item()``), which AOTAutograd then turns
+    into tensor arithmetic on the input, as it does for the CPU one
+    (``tensorify_python_scalars``; a float symbol it does not meet would be specialized,
+    one compile per lr)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: list[tuple[int, Any]] = []
+    for index, node in enumerate(placeholders):
+        devices = _hyperparameter_devices(node)
+        if devices is None or len(devices) != 1:
+            continue
+        old = _compat.example_value(node)
+        with fake_mode:
+            fake = torch.empty((), dtype=torch.float64, device=next(iter(devices)))
+        if not _compat.share_item_symbol(old, fake):
+            continue
+        _compat.mark_static_input(node)
+        _compat.set_example_value(node, fake)
+        node.meta["val"] = fake
+        out.append((index, fake))
+    return out
+
+
+def _hyperparameter_devices(node: fx.Node) -> set[Any] | None:
+    """The devices of the float64 tensors :func:`hyperparameter_f64` made of placeholder
+    ``node``'s value, if that is all the graph reads of it (else None)."""
+    ex = _compat.example_value(node)
+    if not (
+        isinstance(ex, torch.Tensor)
+        and ex.dim() == 0
+        and ex.dtype == torch.float64
+        and ex.device.type == "cpu"
+        and node.users
+    ):
+        return None
+    devices = set()
+    for item in node.users:
+        if not (item.op == "call_method" and item.target == "item" and item.users):
+            return None
+        for add in item.users:
+            zeros = add.args[0] if add.target is operator.add and len(add.args) == 2 else None
+            if not (
+                is_exact_f64(add)
+                and add.args[1] is item
+                and isinstance(zeros, fx.Node)
+                and zeros.target is torch.zeros
+            ):
+                return None
+            devices.add(torch.device(zeros.kwargs.get("device") or "cpu"))
+    return devices
+
+
 def emit(
     gm: fx.GraphModule,
     info: GraphInfo,

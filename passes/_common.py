@@ -151,9 +151,11 @@ _EXACT_F64 = "collage_exact_f64"
 
 def is_exact_f64(x: Any) -> bool:
     """A float64 0-dim tensor holding a hyperparameter exactly: a node made by
-    :func:`hyperparameter_f64` (as a proxy), or an eager float64 0-dim tensor."""
+    :func:`hyperparameter_f64` (as a proxy or the node), or an eager float64 0-dim tensor."""
     if isinstance(x, fx.Proxy):
         return bool(x.node.meta.get(_EXACT_F64))
+    if isinstance(x, fx.Node):
+        return bool(x.meta.get(_EXACT_F64))
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64 and x.dim() == 0
 
 

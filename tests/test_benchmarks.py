@@ -135,7 +135,7 @@ def test_host_benchmark_times_each_variant_under_a_schedule_without_recompiling(
     # read of a CPU scalar on a CPU (a captured CUDA step is what may have them)
     files = [line.split() for line in code.splitlines() if line.startswith("      3 ")]
     assert [f[1] for f in files] == ["plain", "light", "fused32"], code
-    assert [f[3:] for f in files] == [["0", "0"]] * 3, code
+    assert [f[3:] for f in files] == [["0", "0", "0"]] * 3, code
     assert int(files[0][2]) >= 1 and int(files[1][2]) >= 1 and files[2][2] == "0", code
     assert "def call(" in (tmp_path / "code" / "light-3-0.py").read_text()
     assert all(float(r[2]) > 0 for r in rows) and float(rows[0][3]) == 1.0

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import relative_error
+from conftest import CompiledGraphs, relative_error, step_compiles
 from torch._dynamo.testing import CompileCounterWithBackend
 from user_optimizers import Lion
 
@@ -132,6 +132,61 @@ def test_every_input_a_rewritten_step_writes_keeps_its_address(monkeypatch):
     assert len(unmarked) == 6, unmarked  # the six lo
 
 
+def _scheduled(start, grads, dtype, backend=None, device="cpu"):
+    """Two param groups (decay on matrices only) under a warmup from lr = 0: a new float
+    lr per group every step.  Returns the weights, how many graphs ``backend`` compiled
+    (``None``: eager) and a function that runs one more step."""
+    ps = [torch.nn.Parameter(t.to(device, dtype, copy=True)) for t in start]
+    groups = [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, i / 10))
+    counter = CompiledGraphs(backend) if backend is not None else None
+    step = torch.compile(opt.step, backend=counter) if counter is not None else opt.step
+
+    def one(gs):
+        for p, gr in zip(ps, gs):
+            p.grad = gr.to(device, dtype)
+        step()
+        sched.step()
+
+    for gs in grads:
+        one(gs)
+    return ps, step_compiles(counter) if counter is not None else 0, lambda: one(grads[-1])
+
+
+def test_a_scheduled_lr_reaches_a_captured_step_as_a_tensor_that_keeps_its_address():
+    """A scheduled lr reaches the step as a 0-dim CPU float64 input.  Captured, Inductor
+    copied it to the device outside the CUDA graph into a new tensor each step, and the
+    replay's one ``_foreach_copy_`` of non-static inputs took its per-tensor loop for
+    the float64 among bf16 gradients (410 of 1020 us of host time on the H100).  With
+    ``cudagraphs=True`` the backend passes each lr in a tensor of its own on the step's
+    device, marked static (``rewrite.scalars_as_static_inputs``): one static input more
+    per param group, the same weights bit for bit, one compile for every lr."""
+    start, grads = _stream([(16, 8), (8,)])
+    ref, _, _ = _scheduled(start, grads, torch.float64)
+    plain, _, _ = _scheduled(start, grads, torch.bfloat16)
+    runs = {}
+    for cg in (False, True):
+        torch._dynamo.reset()
+        backend = collage_compile.make_backend(mode="light", cudagraphs=cg)
+        with _compat.cudagraph_inputs() as seen, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Warning)  # "no CUDA tensor": a CPU
+            ps, compiles, _ = _scheduled(start, grads, torch.bfloat16, backend)
+        ((_, static),) = [s for s in seen if s[0]]
+        runs[cg] = ps, compiles, static
+    (uncaptured, n0, static0), (captured, n1, static1) = runs[False], runs[True]
+    assert n0 == n1 == 1, (n0, n1)
+    assert len(static1) == len(static0) + 2, (static0, static1)  # an lr per group
+    for a, b in zip(captured, uncaptured):
+        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(collage_compile.components(a)[1], collage_compile.components(b)[1])
+    for p, r, p0, q in zip(captured, ref, start, plain):
+        err = relative_error(collage_compile.value(p), r.detach(), p0)
+        plain_err = relative_error(q.detach(), r.detach(), p0)
+        print(f"collage {err:.3g}  plain bf16 {plain_err:.3g}")
+        assert err <= 0.02 < 0.5 < plain_err
+
+
 def test_the_optimizer_watch_runs_after_a_graph_that_holds_the_step(capture):
     """A step Dynamo captures whole (a user's optimizer) has the watch's op in its graph;
     the backend takes it out (it runs Python on a CPU tensor, which keeps a CUDA graph
@@ -207,6 +262,38 @@ def test_a_cuda_step_is_captured_once_and_replayed_compensated():
         )
     assert counters["inductor"]["cudagraph_skips"] == skips
     for p, r, p0, q in zip(compiled, ref, start, plain):
+        err = relative_error(collage_compile.value(p).cpu(), r.detach().cpu(), p0)
+        plain_err = relative_error(q.detach().cpu(), r.detach().cpu(), p0)
+        assert err <= 0.02 < 0.5 < plain_err, (err, plain_err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_captured_cuda_step_takes_a_scheduled_lr_without_a_copy_per_gradient():
+    """On a GPU, under a warmup from lr = 0: the captured step compiles once and stays
+    compensated; its code does no CPU work before the replay (before
+    ``rewrite.scalars_as_static_inputs``: a C++ kernel writing the lr into a pinned buffer
+    copied to the device); a steady step copies its gradients into the graph's inputs
+    with one ``_foreach_copy_``, not one ``aten::copy_`` per gradient (its per-tensor
+    loop, which a float64 lr among the bf16 gradients caused)."""
+    start, grads = _stream([(256, 64), (64,), (64, 32), (32,)])
+    ref, _, _ = _scheduled(start, grads, torch.float64, device="cuda")
+    plain, _, _ = _scheduled(start, grads, torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    backend = collage_compile.make_backend(mode="light", cudagraphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)
+        (ps, compiles, again), code = _compat.run_and_keep_kernel_code(
+            _scheduled, start, grads, torch.bfloat16, backend, "cuda", fresh=True
+        )
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            again()
+    assert compiles == 1, compiles
+    cpu_work = ("empty_strided_cpu_pinned((", "empty_strided_cpu((", "cpp_fused_")
+    prologue = [c for c in code if any(w in c for w in cpu_work)]
+    assert not prologue, prologue[0][-3000:]
+    copies = [e.name for e in prof.events() if e.name == "aten::copy_"]
+    assert len(copies) < len(ps), copies  # one per gradient: _foreach_copy_'s slow loop
+    for p, r, p0, q in zip(ps, ref, start, plain):
         err = relative_error(collage_compile.value(p).cpu(), r.detach().cpu(), p0)
         plain_err = relative_error(q.detach().cpu(), r.detach().cpu(), p0)
         assert err <= 0.02 < 0.5 < plain_err, (err, plain_err)
