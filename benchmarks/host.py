@@ -17,9 +17,10 @@ the host, so that is the host's time per step, launches included.  There ``fused
 ``-cg`` variants are captured as CUDA graphs (plain: ``mode="reduce-overhead"``; collage:
 ``cudagraphs=True``).  Collage variants are compiled by ``compile_optimizer``.
 ``--schedule`` adds a LambdaLR that sets a new learning rate after every step: a Python
-float, except for plain Inductor, which recompiles for each new float and gets a tensor lr,
-as torch advises.  ``--profile VARIANT`` prints where that variant's host time goes
-(cProfile, the 25 costliest functions by their own time).  ``--code DIR`` writes the code
+float, except for plain Inductor, which recompiles for each new float and gets a tensor lr
+on the step's device, as torch advises.  ``--profile VARIANT`` prints where that variant's
+host time goes (cProfile, the 25 costliest functions by their own time, then with their
+callees).  ``--code DIR`` writes the code
 Inductor generated for each variant there and prints, per variant, what a captured step
 costs beyond one replay: graph partitions (each replayed and checked on its own; Inductor
 splits a captured graph at CPU work and device copies), host reads of 0-dim CPU inputs
@@ -192,8 +193,9 @@ def profile(step: Callable[[], None], n_steps: int) -> None:
     for _ in range(n_steps):
         step()
     prof.disable()
-    print(f"\nwhere the host time of {n_steps} steps goes (cProfile, by own time):")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    for key, what in (("tottime", "own time"), ("cumulative", "time with callees")):
+        print(f"\nwhere the host time of {n_steps} steps goes (cProfile, by {what}):")
+        pstats.Stats(prof).sort_stats(key).print_stats(25)
 
 
 if __name__ == "__main__":
