@@ -494,8 +494,8 @@ def scalars_as_static_inputs(gm: fx.GraphModule, fake_mode: Any) -> list[tuple[i
     (``move_constructors_to_gpu``), into a new tensor each call, and cudagraph trees copy
     every non-static input into the graph's own with one ``_foreach_copy_``, whose fused
     kernel needs one dtype across the list; a float64 scalar among bf16 gradients sent it
-    to its per-tensor loop, ~5 us of host time a tensor (on the H100, 410 of the 1020 us a
-    75-tensor step took).  The value is the same float64 either way.  The new example
+    to its per-tensor loop, a copy per gradient (on the H100, 41 of the 142 ms that 100
+    profiled steps of 75 tensors took).  The value is the same float64 either way.  The new example
     keeps the symbol Dynamo gave the float (its ``.item()``), which AOTAutograd then turns
     into tensor arithmetic on the input, as it does for the CPU one
     (``tensorify_python_scalars``; a float symbol it does not meet would be specialized,

@@ -158,7 +158,8 @@ def test_a_scheduled_lr_reaches_a_captured_step_as_a_tensor_that_keeps_its_addre
     """A scheduled lr reaches the step as a 0-dim CPU float64 input.  Captured, Inductor
     copied it to the device outside the CUDA graph into a new tensor each step, and the
     replay's one ``_foreach_copy_`` of non-static inputs took its per-tensor loop for
-    the float64 among bf16 gradients (410 of 1020 us of host time on the H100).  With
+    the float64 among bf16 gradients (on the H100, 41 of the 142 ms that 100 profiled
+    steps of 75 tensors took).  With
     ``cudagraphs=True`` the backend passes each lr in a tensor of its own on the step's
     device, marked static (``rewrite.scalars_as_static_inputs``): one static input more
     per param group, the same weights bit for bit, one compile for every lr."""
