@@ -495,11 +495,13 @@ def scalars_as_static_inputs(gm: fx.GraphModule, fake_mode: Any) -> list[tuple[i
     every non-static input into the graph's own with one ``_foreach_copy_``, whose fused
     kernel needs one dtype across the list; a float64 scalar among bf16 gradients sent it
     to its per-tensor loop, a copy per gradient (on the H100, 41 of the 142 ms that 100
-    profiled steps of 75 tensors took).  The value is the same float64 either way.  The new example
-    keeps the symbol Dynamo gave the float (its ``.item()``), which AOTAutograd then turns
-    into tensor arithmetic on the input, as it does for the CPU one
-    (``tensorify_python_scalars``; a float symbol it does not meet would be specialized,
-    one compile per lr)."""
+    profiled steps of 75 tensors took).  The value is the same float64 either way.
+
+    The new example keeps the symbol Dynamo gave the float (its ``.item()``), which
+    AOTAutograd then turns into tensor arithmetic on the input, as it does for the CPU one
+    (``tensorify_python_scalars``).  Without that symbol a cold compile failed on 2.11 and
+    2.13 ("Expected scalars to be on CPU, got meta"; a warm cache hid it), and a version
+    that took the ``.item()`` out of the graph got the lr specialized, a compile per lr."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: list[tuple[int, Any]] = []
     for index, node in enumerate(placeholders):
