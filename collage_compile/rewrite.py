@@ -40,6 +40,7 @@ from collage_compile.accumulators import (
 )
 from collage_compile.passes._common import (
     f32,
+    hyperparameter_device,
     hyperparameter_f64,
     is_exact_f64,
     is_number,
@@ -534,18 +535,13 @@ def _hyperparameter_devices(node: fx.Node) -> set[Any] | None:
         return None
     devices = set()
     for item in node.users:
-        if not (item.op == "call_method" and item.target == "item" and item.users):
+        if not item.users:
             return None
-        for add in item.users:
-            zeros = add.args[0] if add.target is operator.add and len(add.args) == 2 else None
-            if not (
-                is_exact_f64(add)
-                and add.args[1] is item
-                and isinstance(zeros, fx.Node)
-                and zeros.target is torch.zeros
-            ):
+        for use in item.users:
+            device = hyperparameter_device(use)
+            if device is None:
                 return None
-            devices.add(torch.device(zeros.kwargs.get("device") or "cpu"))
+            devices.add(device)
     return devices
 
 

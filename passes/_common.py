@@ -78,6 +78,22 @@ def hyperparameter_f64(
     return node
 
 
+def hyperparameter_device(node: fx.Node) -> torch.device | None:
+    """The device of ``node`` if it is what :func:`hyperparameter_f64` made of an input's
+    ``.item()`` (``zeros(device) + x.item()``), else None."""
+    if not (
+        node.meta.get(_EXACT_F64)
+        and node.target is operator.add
+        and len(node.args) == 2
+        and all(isinstance(a, fx.Node) for a in node.args)
+    ):
+        return None
+    zeros, item = node.args
+    if zeros.target is not torch.zeros or not (item.op == "call_method" and item.target == "item"):
+        return None
+    return torch.device(zeros.kwargs.get("device") or "cpu")
+
+
 # Python arithmetic on floats, as float64 tensor arithmetic: the same IEEE operations in the
 # same order, except that a tensor divides a constant by it as reciprocal * constant (two
 # roundings) and a GPU kernel may fuse a * b + c or divide by a constant's reciprocal; each
@@ -151,11 +167,9 @@ _EXACT_F64 = "collage_exact_f64"
 
 def is_exact_f64(x: Any) -> bool:
     """A float64 0-dim tensor holding a hyperparameter exactly: a node made by
-    :func:`hyperparameter_f64` (as a proxy or the node), or an eager float64 0-dim tensor."""
+    :func:`hyperparameter_f64` (as a proxy), or an eager float64 0-dim tensor."""
     if isinstance(x, fx.Proxy):
         return bool(x.node.meta.get(_EXACT_F64))
-    if isinstance(x, fx.Node):
-        return bool(x.meta.get(_EXACT_F64))
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64 and x.dim() == 0
 
 
