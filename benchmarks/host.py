@@ -14,8 +14,11 @@ On a CPU the clock is thread CPU time with one torch thread.  On CUDA it is wall
 device synchronized at the end of each round: with kernels this small the device waits for
 the host, so that is the host's time per step, launches included.  There ``fused32`` and
 ``fused16`` are torch's ``AdamW(fused=True)`` run eagerly (fp32 and bf16 weights), and
-``-cg`` variants are captured as CUDA graphs (plain: ``mode="reduce-overhead"``; collage:
-``cudagraphs=True``).  Collage variants are compiled by ``compile_optimizer``.
+``-cg`` variants are captured as CUDA graphs: plain Inductor's with
+``mode="reduce-overhead"`` (cudagraph trees, CUDA only), collage's with
+``compile_optimizer(opt, cudagraphs=True)``, the whole step as one replay
+(:mod:`collage_compile.replay`; on a CPU its graphs called directly, without Dynamo).
+Collage variants are compiled by ``compile_optimizer``.
 ``--schedule`` adds a LambdaLR that sets a new learning rate after every step: a Python
 float, except for plain Inductor, which recompiles for each new float and gets a tensor lr
 on the step's device, as torch advises.  ``--profile VARIANT`` prints where that variant's
@@ -43,7 +46,8 @@ from collections.abc import Callable
 import torch
 
 VARIANTS = ("plain", "light", "plus")
-CUDA_ONLY = ("plain-cg", "light-cg", "plus-cg")
+REPLAYED = ("light-cg", "plus-cg")
+CUDA_ONLY = ("plain-cg",)
 EAGER = ("fused32", "fused16")
 
 
@@ -86,6 +90,9 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
     run = scheduled if schedule else step
     for _ in range(5):  # compile (and capture), then settle
         run()
+    whole = getattr(opt.step, "whole_step", None)
+    if whole is not None and whole.plan is None:
+        print(f"{variant}: not replayed ({whole.refused})", file=sys.stderr)
     return run
 
 
@@ -98,14 +105,15 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help=f"a comma-separated subset of {VARIANTS + EAGER + CUDA_ONLY} ('plain' first)",
+        help=f"a comma-separated subset of {VARIANTS + EAGER + REPLAYED + CUDA_ONLY} "
+        "('plain' first)",
     )
     ap.add_argument("--schedule", action="store_true", help="a new lr after every step (LambdaLR)")
     ap.add_argument("--profile", metavar="VARIANT", help="cProfile this variant's steps")
     ap.add_argument("--code", metavar="DIR", help="write each variant's generated code here")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    unknown = set(variants) - set(VARIANTS + EAGER + CUDA_ONLY)
+    unknown = set(variants) - set(VARIANTS + EAGER + REPLAYED + CUDA_ONLY)
     if unknown or variants[0] != "plain":
         raise SystemExit(f"--variants: 'plain' first, then any of the others ({sorted(unknown)})")
     if args.device == "cpu" and set(variants) & set(CUDA_ONLY):

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, remainder, report, schedules, state, watch
+from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
@@ -116,9 +116,10 @@ def compile_graph(
     (with ``every`` other than 1, twice: with the metrics and without, see
     :class:`_EveryK`).  A scheduled lr that Dynamo took as a constant is first sent back
     to be traced as an input (:func:`_compat.retrace_with_dynamic_floats`)."""
+    replay.compiling()  # counted; refused inside a capture of the whole step
     _compat.retrace_with_dynamic_floats(schedules.is_scheduled)
     shown = f"the graph of {_compat.current_frame() or 'a compiled function'}"
-    if config.cudagraphs and _uncapturable(gm, example_inputs):
+    if config.inductor_cudagraphs and _uncapturable(gm, example_inputs):
         watch.cudagraphs_on_cpu(shown)
     with watch.in_call(shown):
         compiled = _compile_graph(gm, example_inputs, config)
@@ -156,6 +157,8 @@ class _EveryK:
         self.calls = 0
 
     def __call__(self, *args: Any) -> Any:
+        if replay.recording is not None:
+            replay.recording.append((self, args, []))
         n, self.calls = self.calls, self.calls + 1
         counted = isinstance(self.every, int) and n % self.every == 0
         measure = counted or measuring_now()
@@ -171,15 +174,18 @@ def _compile_graph(
         # called directly rather than through its op (the dispatcher's Python wrapping
         # cost about as much as the watch itself)
         ticks = _compat.step_tick_ids(gm)
-        return _StepTicks(_without_step_ticks(gm).forward, ticks)
+        return _StepTicks(_without_step_ticks(gm).forward, ticks, empty=True)
     names.learn(gm, list(example_inputs))
     ticks = _compat.step_tick_ids(gm)
     compiled = _compile_rewritten(gm, example_inputs, config, record)
     if isinstance(compiled, _LoInputs):
         compiled.ticks = ticks
-        compiled.replayed = config.cudagraphs
+        compiled.replayed = config.inductor_cudagraphs
+        compiled.sources = _compat.input_sources(gm)
         return compiled
-    return _StepTicks(compiled, ticks) if ticks else compiled
+    # for a capture of the whole step every graph it calls is seen (replay.record)
+    wrap = ticks or config.cudagraphs == "step"
+    return _StepTicks(compiled, ticks) if wrap else compiled
 
 
 def _without_step_ticks(gm: fx.GraphModule) -> fx.GraphModule:
@@ -199,13 +205,20 @@ class _StepTicks:
     """A compiled graph with nothing to upgrade that followed optimizer steps: the
     optimizer watch runs after each call (:func:`_without_step_ticks`)."""
 
-    def __init__(self, compiled: Callable[..., Any], ticks: list[int]):
+    def __init__(self, compiled: Callable[..., Any], ticks: list[int], empty: bool = False):
         self.compiled, self.ticks = compiled, ticks
+        self.empty = empty  # the graph is the watch's ticks alone: it computes nothing
 
     def __call__(self, *args: Any) -> Any:
+        if replay.recording is not None:
+            replay.recording.append((self, args, []))
         out = self.compiled(*args)
         _compat.run_step_ticks(self.ticks)
         return out
+
+    def after_replay(self) -> None:
+        """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
+        _compat.run_step_ticks(self.ticks)
 
 
 def _compile_rewritten(
@@ -265,7 +278,7 @@ def _compile_rewritten(
             gm.recompile()
             original = gm
         compiled = _compat.compile_with_inductor(
-            _without_step_ticks(original), example_inputs, cudagraphs=config.cudagraphs
+            _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
         )
         return _LoInputs(compiled, [], unchained) if unchained else compiled
 
@@ -294,7 +307,7 @@ def _compile_rewritten(
     for i, fake in scalars:
         inputs[i] = fake
     compiled = _compat.compile_with_inductor(
-        gm, [*inputs, *lo_examples], _inductor_patches(config), config.cudagraphs
+        gm, [*inputs, *lo_examples], _inductor_patches(config), config.inductor_cudagraphs
     )
     return _LoInputs(
         compiled,
@@ -324,7 +337,7 @@ def _compile_exact(
         if record:
             report.record(report.GraphReport.build(info, {}, [], config))
         return _compat.compile_with_inductor(
-            _without_step_ticks(original), example_inputs, cudagraphs=config.cudagraphs
+            _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
         )
     c = exact.compile_exact(gm, info, sites, example_inputs, config, record)
     return _LoInputs(
@@ -368,7 +381,9 @@ def _measure_only(
         original = _without_step_ticks(original)
     # Inductor's own settings: its choice of what to materialize decides which bf16
     # temporaries are rounded, and "off" promises plain Inductor's arithmetic
-    compiled = _compat.compile_with_inductor(original, example_inputs, cudagraphs=config.cudagraphs)
+    compiled = _compat.compile_with_inductor(
+        original, example_inputs, cudagraphs=config.inductor_cudagraphs
+    )
     if not measured:
         return _LoInputs(compiled, [], unchained) if unchained else compiled
     return _LoInputs(compiled, [], unchained, _graph_metrics(measured))
@@ -457,6 +472,8 @@ class _LoInputs:
         self.ticks: list[int] = []
         # captured as a CUDA graph: an output is overwritten by the next replay
         self.replayed = False
+        # Dynamo's source of each input (``L['self'].param_groups[0]['lr']``), or None
+        self.sources: list[str | None] = []
         shown = [names.display(a.real, a.name) for a in upgraded[:4]]
         more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
         self._shown = (
@@ -554,6 +571,8 @@ class _LoInputs:
         # before the call: the optimizer watch reads it after the call (self.ticks) or after
         # the step that follows
         watch.record_call(wrote)
+        if replay.recording is not None:
+            replay.recording.append((self, args, list(call_los)))
         if self._scalars:
             args = self._with_scalars(args)
         with watch.in_call(self._shown):
@@ -582,10 +601,33 @@ class _LoInputs:
         with the value Dynamo passed (a CPU tensor: the fill takes it as a kernel argument,
         no copy from host memory, no synchronization)."""
         args = list(args)  # type: ignore[assignment]
+        fill = not replay.capturing  # a capture must not hold this step's value
         for idx, t in self._scalars:
-            t.fill_(args[idx])
+            if fill:
+                t.fill_(args[idx])
             args[idx] = t  # type: ignore[index]
         return args  # type: ignore[return-value]
+
+    def replay_blocker(self) -> str | None:
+        """Why a replay of this call would not be the call it replaces (the registry's
+        pairs changed, a tensor moved to new storage, or one was written from outside
+        since the last call; each is handled by a call), else None."""
+        tensors = self._attr_tensors()
+        if self._epoch != state.epoch():
+            return "the tensors carrying a pair changed"
+        if list(map(_DATA_PTR, tensors)) != self._ptrs:
+            return "a tensor moved to new storage"
+        if not state.unchanged(self._lo_ids, tensors):
+            return "a tensor was written outside the step"
+        return None
+
+    def after_replay(self) -> None:
+        """What a call does besides its graph, for a replay of it (:mod:`replay`): the
+        watch's record of what it wrote, the versions it leaves, the optimizer watch."""
+        watch.record_call(self._written_ids)
+        state.record_versions(self._lo_ids, self._attr_tensors())
+        if self.ticks:
+            _compat.run_step_ticks(self.ticks)
 
     def _pair_new_state(self, out: Any) -> Any:
         """Register the remainders the graph returns after its outputs with the new

@@ -63,6 +63,10 @@ class CollageConfig:
         graph, and a graph Inductor does not capture is named in a CollageWarning with
         Inductor's reason.  Off by default: its speed and memory on a GPU have not been
         measured yet (docs/speed.md).  Ignored on CPU, with a warning.
+        ``"step"``: what :func:`collage_compile.compile_optimizer` asks for with
+        ``cudagraphs=True``: the graphs are prepared for one capture of the whole
+        optimizer step (:mod:`collage_compile.replay`), which Inductor then does not capture
+        graph by graph.
     """
 
     mode: str = "light"
@@ -70,7 +74,7 @@ class CollageConfig:
     plus_min_decay: float = 0.99
     metrics: bool = False
     every: int | Literal["metered"] = 1
-    cudagraphs: bool = False
+    cudagraphs: bool | Literal["step"] = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -81,8 +85,10 @@ class CollageConfig:
             )
         if not isinstance(self.metrics, bool):
             raise TypeError(f"collage: metrics must be True or False, got {self.metrics!r}")
-        if not isinstance(self.cudagraphs, bool):
-            raise TypeError(f"collage: cudagraphs must be True or False, got {self.cudagraphs!r}")
+        if not isinstance(self.cudagraphs, bool) and self.cudagraphs != "step":
+            raise TypeError(
+                f"collage: cudagraphs must be True, False or 'step', got {self.cudagraphs!r}"
+            )
         if self.every != "metered" and (
             isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
         ):
@@ -100,6 +106,11 @@ class CollageConfig:
                 "collage: mode='exact' computes on fp32 values, bit for bit; arithmetic= "
                 f"chooses how a (hi, lo) pair is updated and does not apply (got {self.arithmetic!r})"
             )
+
+    @property
+    def inductor_cudagraphs(self) -> bool:
+        """Whether Inductor captures each compiled graph (``cudagraphs=True``)."""
+        return self.cudagraphs is True
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None = None, **kwargs: Any) -> CollageConfig:

@@ -99,7 +99,7 @@ def compile_exact(
         gm,
         [*example_inputs, *rem_examples],
         {**_compat.scalar_prologue_patch(), **_compat.no_input_asserts_patch()},
-        config.cudagraphs,
+        config.inductor_cudagraphs,
     )
     return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state)
 

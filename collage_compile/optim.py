@@ -31,7 +31,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     ``fused=False``; :class:`collage_compile.hf.CollageCallback` switches a trainer's
     default fused AdamW before its first step).
     """
-    from collage_compile import compiler, watch
+    from collage_compile import compiler, replay, watch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -54,8 +54,13 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
         )
     _warn_if_nothing_to_upgrade(optimizer, options)
     watch.install()
+    whole = options.get("cudagraphs") is True  # the whole step as one replay
+    if whole:
+        options = {**options, "cudagraphs": "step"}
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
+    if whole:
+        compiled = replay.WholeStep(optimizer, compiled)
 
     first = [True]
 
@@ -74,6 +79,8 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
         return loss
 
     step._collage_compiled = True  # type: ignore[attr-defined]
+    # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``
+    step.whole_step = compiled if whole else None  # type: ignore[attr-defined]
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         # an LR scheduler's call-counting wrapper is what got compiled: it still counts
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from collage_compile import _compat, mcf, remainder
+from collage_compile import _compat, mcf, remainder, replay
 from collage_compile.diagnostics import CollageWarning, warn_once
 from collage_compile.mcf import LOW_PRECISION
 
@@ -205,6 +205,8 @@ def empty_lo(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     alike), contiguous otherwise (a strided view of a larger buffer: lo holds only the
     elements of the view).  A DTensor's lo is a DTensor on the same mesh and placements,
     each rank holding the lo of its own shard."""
+    if replay.capturing:  # a lo made here would be zeroed again by every replay
+        raise RuntimeError("collage: a pair created inside the capture of a whole step")
     dtype = dtype or t.dtype
     if _compat.is_dtensor(t):
         return _compat.dtensor_like(t, empty_lo(_compat.local_tensor(t), dtype))

@@ -258,6 +258,16 @@ def _apply(name):
             return orig(gm, ex, dataclasses.replace(config, mode="off"), record)
 
         compiler._compile_graph = _compile_graph
+    elif name == "replay_stale_lr":  # a replay keeps the lr of the recorded step
+        from collage_compile import replay
+
+        replay._Plan.refresh = lambda self, grads=True: None
+    elif name == "replay_never_gives_way":  # a replay runs whatever changed
+        from collage_compile import replay
+
+        replay._Plan.stale = lambda self: None
+    elif name == "replay_ignores_outside_writes":  # only the per-graph check skipped
+        compiler._LoInputs.replay_blocker = lambda self: None
     else:
         raise SystemExit(f"unknown MUT={name}")
     print(f"\n*** mutation applied: {name}")

@@ -1,0 +1,412 @@
+"""The whole optimizer step as one replay: ``compile_optimizer(opt, cudagraphs=True)``.
+
+A compiled step on a GPU is bound by host work.  Inductor's cudagraph trees replay its
+kernels, but keep the rest per call: Dynamo's guards and the arguments it gathers,
+AOTAutograd's wrappers, the trees' own checks and input copies, the backend's wrapper
+(on an H100, AdamW on 75 tensors: 0.96 ms a step for plain Inductor captured, 0.32 ms for
+torch's fused AdamW; docs/speed.md).  Here, once a call of the compiled step compiles
+nothing, that call is recorded: which collage graphs it called, with what.  On CUDA the
+next step is captured whole, as one CUDA graph; every step after it is
+
+    checks       the step would call the same graphs on the same tensors: the same
+                 param_groups, parameters, optimizer state and hyperparameters, the same
+                 gradients present, no hooks, and per graph the registry's pairs and no
+                 write from outside since its last call (each a pass over a list, in C)
+    refresh      each float the graphs read from a tensor of their own (a scheduled lr,
+                 :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``;
+                 gradients that are new tensors (``zero_grad(set_to_none=True)``) copied
+                 into the captured ones, one ``_foreach_copy_``
+    replay       one CUDA graph launch (on a CPU: each recorded graph called directly)
+    bookkeeping  what the graphs' wrappers do besides the graph (versions, the watch)
+
+A failed check runs the step as compiled (Dynamo recompiles if it must, the wrapper handles
+a write from outside, as on every compiled call) and records it again: the checks decide
+whether a replay is the step Dynamo would run, never the numerics.  A step that cannot be
+replayed (metrics, an optimizer outside torch.optim, step hooks, a graph input the replay
+cannot refresh, a capture that fails) is named once in a CollageWarning and runs
+compiled, without capture, compensated as before.
+
+Why torch.optim's optimizers only: a replay runs no Python of the step.  Their steps under
+Dynamo keep every per-step value in a tensor (Dynamo sets ``capturable`` on CUDA), and the
+checks above cover what their Python reads; another optimizer may keep a Python counter
+that a replay would leave frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("collage_compile")
+
+__all__ = ["WholeStep"]
+
+#: while a step is recorded, the calls of collage graphs it makes, in order:
+#: (wrapper, Dynamo's arguments, the lo tensors the wrapper appended)
+recording: list[tuple[Any, tuple[Any, ...], list[Any]]] | None = None
+#: a capture of a whole step is in progress: wrappers do not fill their floats (the
+#: capture would hold this step's value), and nothing may compile or create a pair
+capturing = False
+_compiles = 0
+
+_GRAD = operator.attrgetter("grad")
+_IS_NONE = functools.partial(operator.is_, None)
+_DATA_PTR = torch.Tensor.data_ptr
+# Dynamo's name of a value under an optimizer's param_groups: group, keys, ``.grad``
+_SOURCE = re.compile(r"\.param_groups\[(\d+)\]((?:\[(?:'[^']*'|\d+)\])+)(\.grad)?$")
+_KEY = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+
+
+def compiling() -> None:
+    """Called by the backend before every compile: counted (a recorded call that
+    compiled is not yet the steady step), refused inside a capture (a compile runs
+    device work that a capture must not hold)."""
+    global _compiles
+    _compiles += 1
+    if capturing:
+        raise RuntimeError("collage: a compile inside the capture of a whole optimizer step")
+
+
+class _Refused(Exception):
+    """A step that cannot be replayed, and why."""
+
+
+class WholeStep:
+    """``optimizer.step`` compiled by the backend (``compiled``), replayed whole once a
+    call compiles nothing new (see the module's docstring).  ``replays`` counts the
+    steps that ran as a replay."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compiled: Callable[..., Any]):
+        self.optimizer, self.compiled = optimizer, compiled
+        self.plan: _Plan | None = None
+        self.pending: _Plan | None = None  # CUDA: recorded, to be captured next call
+        self.refused: str | None = None
+        self.replays = 0
+        self.given_way: list[str] = []  # why a recorded step ran compiled (the first 100)
+        if not type(optimizer).__module__.startswith("torch.optim."):
+            self._refuse(f"{type(optimizer).__name__} is not one of torch.optim's optimizers")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self.plan
+        if plan is not None:
+            why = "the step was called with arguments" if args or kwargs else plan.stale()
+            if why is None and not plan.inside_a_capture():
+                plan.run()
+                self.replays += 1
+                return None
+            log.debug("collage: step run as compiled, not replayed: %s", why)
+            if why is not None and len(self.given_way) < 100:
+                self.given_way.append(why)
+            self.plan = None
+        if args or kwargs or self.refused is not None:
+            return self.compiled(*args, **kwargs)
+        if _hooks(self.optimizer):
+            self._refuse("it has step hooks (register_step_pre_hook / post_hook)")
+            return self.compiled()
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.stale() is None and not pending.inside_a_capture():
+            return self._capture(pending)
+        return self._record()
+
+    def _record(self) -> Any:
+        """A call of the compiled step, recorded; the plan of its replay if it compiled
+        nothing (on CUDA captured at the next call)."""
+        global recording
+        before, calls = _compiles, []
+        recording = calls
+        try:
+            out = self.compiled()
+        finally:
+            recording = None
+        if _compiles != before:
+            return out
+        try:
+            if out is not None:
+                raise _Refused("its step returns a value")
+            plan = _Plan(self.optimizer, calls)
+        except _Refused as e:
+            self._refuse(str(e))
+            return out
+        if plan.device.type == "cuda":
+            self.pending = plan
+        else:
+            self.plan = plan
+        return out
+
+    def _capture(self, pending: _Plan) -> Any:
+        """Capture this call of the step as one CUDA graph, then replay it: a capture
+        runs no kernel, so the replay is this step."""
+        global recording, capturing
+        pending.refresh(grads=False)  # the floats the graphs read, set before the capture
+        graph = torch.cuda.CUDAGraph()
+        before, calls = _compiles, []
+        recording, capturing = calls, True
+        try:
+            with torch.cuda.graph(graph):
+                self.compiled()
+        except Exception as e:  # nothing ran on the device: the step runs as compiled
+            if _compiles == before:  # else Dynamo had to compile: recorded again later
+                self._refuse(f"its capture failed ({type(e).__name__}: {str(e)[:200]})")
+            recording, capturing = None, False
+            return self.compiled()
+        finally:
+            recording, capturing = None, False
+        try:
+            plan = _Plan(self.optimizer, calls, graph)
+            if plan.wrappers != pending.wrappers:
+                raise _Refused("the captured step called other graphs than the one before it")
+        except _Refused as e:
+            graph.replay()  # this step, as captured
+            self._refuse(str(e))
+            return None
+        graph.replay()
+        self.plan = plan
+        return None
+
+    def _refuse(self, why: str) -> None:
+        from collage_compile.diagnostics import warn_once
+
+        self.refused = why
+        name = type(self.optimizer).__name__
+        warn_once(
+            ("replay", name, why),
+            f"collage: {name}.step is not replayed as one CUDA graph (compile_optimizer("
+            f"cudagraphs=True)): {why}.  It runs compiled, without capture: compensated "
+            "as before, with a compiled step's host work on every call (docs/speed.md).",
+            stacklevel=4,
+        )
+
+
+def _hooks(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.optim import optimizer as module
+
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or module._global_optimizer_pre_hooks
+        or module._global_optimizer_post_hooks
+    )
+
+
+def _parse(source: str | None) -> tuple[int, tuple[Any, ...], bool] | None:
+    """``...param_groups[g]['params'][i].grad`` -> (g, ('params', i), True); None for a
+    source elsewhere."""
+    m = _SOURCE.search(source or "")
+    if m is None:
+        return None
+    keys = tuple(int(i) if i else k for k, i in _KEY.findall(m.group(2)))
+    return int(m.group(1)), keys, m.group(3) is not None
+
+
+def _lookup(groups: list[dict[str, Any]], group: int, keys: tuple[Any, ...]) -> Any:
+    value: Any = groups[group]
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def _settings(group: dict[str, Any], filled: set[tuple[Any, ...]]) -> dict[tuple[Any, ...], Any]:
+    """A param group's entries other than its parameters and the floats a replay fills
+    (a tuple's elements one by one: a schedule may change ``betas[0]`` alone)."""
+    out: dict[tuple[Any, ...], Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
+        for index, item in items:
+            path = (key,) if index is None else (key, index)
+            if path not in filled:
+                out[path] = item
+    return out
+
+
+def _same(a: dict[tuple[Any, ...], Any], b: dict[tuple[Any, ...], Any]) -> bool:
+    """Equal settings; tensors (an lr held in a tensor) by identity."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if x is y:
+            continue
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            return False
+    return True
+
+
+class _Plan:
+    """What one recorded step called, and what a replay of it must check and refresh.
+    Raises :class:`_Refused` for a step a replay cannot reproduce."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        calls: list[tuple[Any, tuple[Any, ...], list[Any]]],
+        graph: Any = None,
+    ):
+        from collage_compile import compiler
+
+        self.optimizer, self.graph = optimizer, graph
+        groups = optimizer.param_groups
+        self.params = list(itertools.chain.from_iterable(g["params"] for g in groups))
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise _Refused(f"its parameters are on {len(devices)} devices")
+        self.device = next(iter(devices))
+        self.none = list(map(_IS_NONE, map(_GRAD, self.params)))
+        self.scalars: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
+        self.grad_params: list[torch.Tensor] = []
+        self.static_grads: list[torch.Tensor] = []
+        self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
+        self.wrappers: list[Any] = []
+        if not any(isinstance(w, compiler._LoInputs) for w, _, _ in calls):
+            raise _Refused("its step called no graph that updates a pair")
+        for wrapper, args, los in calls:
+            self.wrappers.append(wrapper)
+            if isinstance(wrapper, compiler._LoInputs):
+                self.calls.append((wrapper.compiled, self._inputs(wrapper, args, los)))
+            elif isinstance(wrapper, compiler._StepTicks) and wrapper.empty:
+                pass  # the optimizer watch's graph: only its bookkeeping
+            elif isinstance(wrapper, compiler._EveryK):
+                raise _Refused("it measures metrics every few steps (metrics=True)")
+            else:
+                raise _Refused("its step calls a graph that updates no pair")
+        self.filled = [{keys for g, keys in self._filled() if g == i} for i in range(len(groups))]
+        self.settings = [_settings(group, f) for group, f in zip(groups, self.filled)]
+        self.state = self._state_columns()
+        self.wrappers_with_pairs = [w for w in self.wrappers if isinstance(w, compiler._LoInputs)]
+
+    def _inputs(self, wrapper: Any, args: tuple[Any, ...], los: list[Any]) -> list[Any]:
+        """A graph's inputs as a replay passes them, each one classified: a float the
+        replay fills, a gradient it copies, a tensor held by ``param_groups``."""
+        if wrapper.metrics is not None:
+            raise _Refused("it measures metrics (metrics=True), returned per call")
+        if wrapper.exact:
+            raise _Refused("mode='exact' is not replayed yet")
+        if wrapper.new_state or wrapper._by_input or wrapper._unchained_refs:
+            raise _Refused("a graph of its step does per-call work outside its kernels")
+        if wrapper._unchained_inputs:
+            raise _Refused("a graph of its step does per-call work outside its kernels")
+        groups = self.optimizer.param_groups
+        statics = dict(wrapper._scalars)
+        inputs = list(args)
+        for i, arg in enumerate(args):
+            source = wrapper.sources[i] if i < len(wrapper.sources) else None
+            where = _parse(source)
+            what = source or f"input {i}"
+            if i in statics:
+                value = _lookup(groups, *where[:2]) if where and not where[2] else None
+                if not isinstance(value, (int, float)) or float(value) != arg.item():
+                    raise _Refused(f"it reads {what}, which is not a float of param_groups")
+                inputs[i] = statics[i]
+                self.scalars.append((statics[i], where[0], where[1]))
+            elif isinstance(arg, torch.Tensor) and where is not None and where[2]:
+                param = _lookup(groups, *where[:2])
+                if param.grad is not arg:
+                    raise _Refused(f"{what} is not that parameter's gradient")
+                self.grad_params.append(param)
+                self.static_grads.append(arg)
+            elif not (
+                isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg
+            ):
+                raise _Refused(
+                    f"its graph reads {what} as a number that a replay would hold at one "
+                    "step's value"
+                )
+        inputs += los
+        if self.device.type == "cuda":
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+                    raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
+        return inputs
+
+    def _state_columns(self) -> list[tuple[Any, list[dict[str, Any]], list[Any], bool]]:
+        """The optimizer's state by key: (key, the per-parameter dicts that hold it, their
+        values, whether all are tensors).  Read by iteration, never by a tensor key:
+        ``Tensor.__hash__`` is a Python call (225 of them cost more than the replay)."""
+        state = self.state_obj = self.optimizer.state
+        self.state_keys, self.state_dicts = list(state.keys()), list(state.values())
+        keys = dict.fromkeys(k for d in self.state_dicts for k in d)
+        columns = []
+        for key in keys:
+            dicts = [d for d in self.state_dicts if key in d]
+            values = [d[key] for d in dicts]
+            columns.append((key, dicts, values, all(isinstance(v, torch.Tensor) for v in values)))
+        return columns
+
+    def stale(self) -> str | None:
+        """Why a replay would not be the step Dynamo would run now, else None."""
+        opt = self.optimizer
+        if _hooks(opt):
+            return "step hooks"
+        groups = opt.param_groups
+        params = list(itertools.chain.from_iterable(g["params"] for g in groups))
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return "param_groups changed"
+        if list(map(_IS_NONE, map(_GRAD, params))) != self.none:
+            return "a parameter's gradient appeared or went"
+        if len(groups) != len(self.settings) or not all(
+            map(_same, map(_settings, groups, self.filled), self.settings)
+        ):
+            return "a hyperparameter changed"
+        why = self._state_changed()
+        if why is not None:
+            return why
+        for wrapper in self.wrappers_with_pairs:
+            why = wrapper.replay_blocker()
+            if why is not None:
+                return why
+        return None
+
+    def _filled(self) -> set[tuple[int, tuple[Any, ...]]]:
+        return {(g, keys) for _, g, keys in self.scalars}
+
+    def _state_changed(self) -> str | None:
+        state = self.optimizer.state
+        if (
+            state is not self.state_obj
+            or len(state) != len(self.state_keys)
+            or not all(map(operator.is_, state.keys(), self.state_keys))
+            or not all(map(operator.is_, state.values(), self.state_dicts))
+        ):
+            return "the optimizer's state changed (load_state_dict?)"
+        for key, dicts, values, tensors in self.state:
+            try:
+                now = list(map(operator.itemgetter(key), dicts))
+            except KeyError:
+                return f"the optimizer's state {key!r} changed"
+            if not (all(map(operator.is_, now, values)) if tensors else now == values):
+                return f"the optimizer's state {key!r} changed"
+        return None
+
+    def inside_a_capture(self) -> bool:
+        """The caller is capturing a CUDA graph of its own: the step runs as compiled,
+        into that graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def refresh(self, grads: bool = True) -> None:
+        groups = self.optimizer.param_groups
+        for t, g, keys in self.scalars:
+            t.fill_(_lookup(groups, g, keys))
+        if grads and self.static_grads:
+            now = list(map(_GRAD, self.grad_params))
+            if not all(map(operator.is_, now, self.static_grads)):
+                torch._foreach_copy_(self.static_grads, now)
+
+    def run(self) -> None:
+        self.refresh()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for fn, inputs in self.calls:
+                fn(*inputs)
+        for wrapper in self.wrappers:
+            wrapper.after_replay()
+        if hasattr(self.optimizer, "_opt_called"):  # an LR scheduler's check of the order
+            self.optimizer._opt_called = True

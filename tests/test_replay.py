@@ -1,0 +1,224 @@
+"""The whole optimizer step as one replay (``compile_optimizer(opt, cudagraphs=True)``).
+
+On a CPU a replay calls the recorded graphs directly, without Dynamo; on CUDA it launches
+one CUDA graph.  Everything but the launch is the same code: what a replay checks, what
+it refreshes (scheduled floats, new gradients) and what it does after.  So these tests
+run where CI runs, against the compiled step the replay stands in for, bit for bit; the
+CUDA test at the end runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import mcf_value, relative_error
+from user_optimizers import Lion
+
+import collage_compile
+
+Warning = collage_compile.CollageWarning
+STEPS = 30
+
+
+def _stream(shapes, steps=STEPS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    drift = [torch.randn(s, generator=g) for s in shapes]  # a direction the steps agree on
+    grads = [
+        [(d + 0.5 * torch.randn(s, generator=g)).bfloat16() for s, d in zip(shapes, drift)]
+        for _ in range(steps)
+    ]
+    return start, grads
+
+
+def _train(start, grads, dtype, events=None, optimizer=torch.optim.AdamW, **options):
+    """Two param groups (decay on the matrix only) under a warmup from lr = 0, a new float
+    lr per group every step, ``zero_grad()`` (set_to_none) and new gradient tensors every
+    step, as a training loop makes them; ``events[i](ps, opt)`` runs before step ``i``.
+    ``options``: None for eager, else those of ``compile_optimizer``.  Returns the weights
+    and the optimizer."""
+    ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
+    groups = [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]
+    opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=True)
+    if options.get("compiled", True):
+        options.pop("compiled", None)
+        collage_compile.compile_optimizer(opt, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, i / 10))
+    for i, gs in enumerate(grads):
+        opt.zero_grad()
+        for p, gr in zip(ps, gs):
+            p.grad = gr.to(dtype)
+        if events and i in events:
+            events[i](ps, opt)
+        opt.step()
+        sched.step()
+    return ps, opt
+
+
+def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule():
+    """After one step that compiles and one that is recorded, every step is a replay
+    (no Dynamo, no guard): the lr a scheduler sets per group reaches it, the new gradient
+    tensors of each step are copied into the recorded ones, and the weights and their
+    pairs are those of the compiled step, bit for bit: 0.1 % from the float64 run, where
+    plain bf16 is 50x further off."""
+    start, grads = _stream([(16, 8), (8,)])
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
+    compiled, _ = _train(start, grads, torch.bfloat16)
+    torch._dynamo.reset()
+    replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    whole = opt.step.whole_step
+    assert whole.refused is None
+    assert whole.replays == STEPS - 2
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    assert err < 3e-3, err
+    assert err_plain > 30 * err, (err_plain, err)
+
+
+def _rewind(snapshot):
+    def event(ps, opt):
+        opt.load_state_dict(snapshot[0])
+
+    return event
+
+
+def _keep(snapshot):
+    def event(ps, opt):
+        snapshot.append(copy.deepcopy(opt.state_dict()))
+
+    return event
+
+
+def _decay(ps, opt):
+    opt.param_groups[0]["weight_decay"] = 0.05
+
+
+def _outside_write(ps, opt):
+    with torch.no_grad():
+        ps[0].mul_(0.5)
+
+
+def _no_grad(ps, opt):
+    ps[1].grad = None
+
+
+def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ():
+    """What Dynamo would recompile for (a hyperparameter set by hand, a gradient that is
+    None), what replaces the optimizer's state (``load_state_dict``) and a write to a
+    weight outside the step (which the compiled step's wrapper names and answers by
+    restarting that weight's lo) each make the next step run compiled, then be recorded
+    and replayed again: the weights are those of the compiled step under the same events,
+    bit for bit, and the outside write is named in both runs."""
+    start, grads = _stream([(16, 8), (8,)], steps=24)
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        kept: list = []
+        events = {4: _keep(kept), 7: _decay, 11: _rewind(kept), 15: _outside_write, 19: _no_grad}
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
+        named = [str(w.message) for w in rec if issubclass(w.category, Warning)]
+        assert any("outside" in m for m in named), named
+        assert not any("not replayed" in m for m in named), named
+    (compiled, _), (replayed, opt) = runs[False], runs[True]
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+    whole = opt.step.whole_step
+    reasons = " | ".join(whole.given_way)
+    for why in ("hyperparameter", "state", "outside", "gradient"):
+        assert why in reasons, reasons
+    # each event costs a compiled call and a recorded one, a recompile one more
+    assert whole.replays >= 24 - 2 - 3 * len(whole.given_way), (whole.replays, reasons)
+
+
+class _OwnAdamW(torch.optim.AdamW):
+    """A user's subclass: its step may keep Python state a replay would not update."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["metrics", "hook", "not torch.optim"],
+)
+def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
+    """Metrics returned per call, a step hook (Python a replay would skip) and an
+    optimizer class outside torch.optim each get one CollageWarning naming why, and
+    the step runs compiled every time: the same weights as without ``cudagraphs``."""
+    start, grads = _stream([(16, 8), (8,)], steps=6)
+    options = {"metrics": True} if case == "metrics" else {}
+    optimizer = _OwnAdamW if case == "not torch.optim" else torch.optim.AdamW
+    calls = []
+
+    def hooked(ps, opt):
+        opt.register_step_post_hook(lambda *a: calls.append(1))
+
+    events = {0: hooked} if case == "hook" else None
+    expected, _ = _train(start, grads, torch.bfloat16, events, optimizer, **options)
+    torch._dynamo.reset()
+    calls.clear()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        got, opt = _train(
+            start, grads, torch.bfloat16, events, optimizer, cudagraphs=True, **options
+        )
+    named = [str(w.message) for w in rec if "not replayed" in str(w.message)]
+    assert len(named) == 1, named
+    assert {"metrics": "metrics", "hook": "hooks", "not torch.optim": "_OwnAdamW"}[case] in named[0]
+    assert opt.step.whole_step.replays == 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    if case == "hook":
+        assert len(calls) == 6
+
+
+def test_an_optimizer_with_python_state_in_its_step_is_not_replayed():
+    """Lion (tests/user_optimizers.py) is not torch.optim's: its step is compiled, and
+    named as not replayed, never frozen at one step's Python values."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ps = [torch.nn.Parameter(torch.randn(8).bfloat16())]
+        opt = Lion(ps, lr=1e-3)
+        collage_compile.compile_optimizer(opt, cudagraphs=True)
+    assert any("Lion is not one of torch.optim" in str(w.message) for w in rec)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_for_bit():
+    """On a GPU the steady step is one CUDA graph launch: the profiled step launches no
+    kernel of the optimizer from the host (only the lr fills and the gradient copy) and
+    one graph; the weights are those of the uncaptured compiled step, bit for bit, under
+    a schedule from lr = 0 with new gradient tensors every step, and track float64."""
+    start, grads = _stream([(64, 32), (32,), (32, 32)])
+    start = [t.cuda() for t in start]
+    grads = [[g.cuda() for g in gs] for gs in grads]
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
+    compiled, _ = _train(start, grads, torch.bfloat16)
+    torch._dynamo.reset()
+    replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    whole = opt.step.whole_step
+    assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None
+    assert whole.replays == STEPS - 3  # compile, record, capture (replayed once)
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    assert err_plain > 10 * err, (err_plain, err)
+    ps = replayed
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert whole.replays == STEPS - 2
+    assert sum("cudaGraphLaunch" in n for n in names) == 1, names
+    assert not any("triton" in n.lower() for n in names), names
