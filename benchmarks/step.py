@@ -16,8 +16,9 @@ and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
 * ``fp32 fused`` / ``bf16 fused``: torch's own ``AdamW(fused=True)``, eager, on fp32 master
   weights (writing the bf16 model copy after it) and on bf16 weights.
 * ``collage light`` / ``collage plus`` / ``collage exact``: this backend.
-* ``... cudagraphs`` (CUDA only): plain bf16 with ``mode="reduce-overhead"``, collage light
-  and plus with ``cudagraphs=True``: each step one CUDA graph replay.
+* ``... cudagraphs`` (CUDA only): plain bf16 with ``mode="reduce-overhead"`` (Inductor's
+  cudagraph trees), collage light and plus with ``compile_optimizer(opt,
+  cudagraphs=True)``: the whole step captured once and replayed (:mod:`collage_compile.replay`).
 * ``eager Collage``: the paper's Collage-light AdamW written op by op with eager bf16
   ``torch._foreach_*`` ops (:class:`EagerCollageAdamW`), the reference-implementation baseline.
 * ``optimi Kahan`` / ``torchao bf16 SR``: when those packages are installed (skipped otherwise).
@@ -195,14 +196,26 @@ def build_variants(
         )
         for mode in ("light", "plus"):
             if mode in only:
-                backend = collage_compile.make_backend(mode=mode, cudagraphs=True)
-                variants.append(stock(f"collage {mode} cudagraphs", backend, FLOOR_BYTES[mode]))
+                variants.append(_replayed(f"collage {mode} cudagraphs", mode, shapes, device))
     if "eager" in only:
         ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
         variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
     if "others" in only:
         variants += _third_party(shapes, device, foreach)
     return variants
+
+
+def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) -> Variant:
+    """``compile_optimizer(opt, mode=mode, cudagraphs=True)``: the step replayed whole."""
+    ps = make_params(shapes, device, torch.bfloat16)
+    opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
+    collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=True)
+
+    def tensors() -> list[torch.Tensor]:
+        los = [collage_compile.components(t)[1] for t in [*ps, *_state_tensors(opt)]]
+        return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
+
+    return Variant(name, opt.step, tensors, FLOOR_BYTES[mode])
 
 
 def _fused(shapes: list[tuple[int, ...]], device: str) -> list[Variant]:
@@ -359,6 +372,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for v in variants:
         compile_variant(v, args.device)
         v.peak_bytes = peak_during_step(v, args.device)
+        v.step()  # a replayed step is captured at its third call: before the timing
+        whole = getattr(v.step, "whole_step", None)
+        if whole is not None and whole.plan is None:
+            print(f"{v.name}: not replayed ({whole.refused})", file=sys.stderr)
         print(f"compiled {v.name}: {v.compile_s or 0:.1f} s", file=sys.stderr, flush=True)
     copy_fn, copy_bytes = copy_bandwidth_step(n, args.device)
     copy_fn()

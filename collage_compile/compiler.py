@@ -216,7 +216,7 @@ class _StepTicks:
         _compat.run_step_ticks(self.ticks)
         return out
 
-    def after_replay(self) -> None:
+    def after_replay(self, versions: bool = True) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
         _compat.run_step_ticks(self.ticks)
 
@@ -621,11 +621,13 @@ class _LoInputs:
             return "a tensor was written outside the step"
         return None
 
-    def after_replay(self) -> None:
+    def after_replay(self, versions: bool = True) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`): the
-        watch's record of what it wrote, the versions it leaves, the optimizer watch."""
+        watch's record of what it wrote, the versions it leaves (``versions``: a CUDA
+        graph's replay bumps none), the optimizer watch."""
         watch.record_call(self._written_ids)
-        state.record_versions(self._lo_ids, self._attr_tensors())
+        if versions:
+            state.record_versions(self._lo_ids, self._attr_tensors())
         if self.ticks:
             _compat.run_step_ticks(self.ticks)
 

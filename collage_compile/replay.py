@@ -184,14 +184,17 @@ class WholeStep:
         )
 
 
-def _hooks(optimizer: torch.optim.Optimizer) -> bool:
+@functools.cache
+def _global_hooks() -> tuple[dict[Any, Any], dict[Any, Any]]:
     from torch.optim import optimizer as module
 
+    return module._global_optimizer_pre_hooks, module._global_optimizer_post_hooks
+
+
+def _hooks(optimizer: torch.optim.Optimizer) -> bool:
+    pre, post = _global_hooks()
     return bool(
-        optimizer._optimizer_step_pre_hooks
-        or optimizer._optimizer_step_post_hooks
-        or module._global_optimizer_pre_hooks
-        or module._global_optimizer_post_hooks
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or pre or post
     )
 
 
@@ -212,32 +215,45 @@ def _lookup(groups: list[dict[str, Any]], group: int, keys: tuple[Any, ...]) -> 
     return value
 
 
-def _settings(group: dict[str, Any], filled: set[tuple[Any, ...]]) -> dict[tuple[Any, ...], Any]:
-    """A param group's entries other than its parameters and the floats a replay fills
-    (a tuple's elements one by one: a schedule may change ``betas[0]`` alone)."""
-    out: dict[tuple[Any, ...], Any] = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
-        for index, item in items:
-            path = (key,) if index is None else (key, index)
-            if path not in filled:
-                out[path] = item
-    return out
+def _same_value(x: Any, y: Any) -> bool:
+    """Equal hyperparameters; tensors (an lr held in a tensor) by identity."""
+    return x is y or (not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)) and x == y)
 
 
-def _same(a: dict[tuple[Any, ...], Any], b: dict[tuple[Any, ...], Any]) -> bool:
-    """Equal settings; tensors (an lr held in a tensor) by identity."""
-    if a.keys() != b.keys():
+class _Settings:
+    """A param group's entries other than its parameters and the floats a replay fills,
+    checked by identity (what a scheduler or a user sets is a new object), by value where
+    identity fails; a tuple with a filled element (a scheduled ``betas[0]``) element by
+    element."""
+
+    def __init__(self, group: dict[str, Any], filled: set[tuple[Any, ...]]):
+        partly = {path[0] for path in filled if len(path) == 2}
+        whole = {path[0] for path in filled if len(path) == 1}
+        self.size = len(group)
+        self.keys = [k for k in group if k != "params" and k not in whole and k not in partly]
+        self.values = [group[k] for k in self.keys]
+        self.partial = [
+            (k, tuple(group[k]), {path[1] for path in filled if path[0] == k}) for k in partly
+        ]
+
+    def changed(self, group: dict[str, Any]) -> bool:
+        if len(group) != self.size:
+            return True
+        try:
+            now = list(map(group.__getitem__, self.keys))
+        except KeyError:
+            return True
+        if not all(map(operator.is_, now, self.values)) and not all(
+            map(_same_value, now, self.values)
+        ):
+            return True
+        for key, recorded, skip in self.partial:
+            value = group[key]
+            if len(value) != len(recorded) or not all(
+                j in skip or _same_value(x, y) for j, (x, y) in enumerate(zip(value, recorded))
+            ):
+                return True
         return False
-    for key, x in a.items():
-        y = b[key]
-        if x is y:
-            continue
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
-            return False
-    return True
 
 
 class _Plan:
@@ -277,9 +293,17 @@ class _Plan:
                 raise _Refused("it measures metrics every few steps (metrics=True)")
             else:
                 raise _Refused("its step calls a graph that updates no pair")
-        self.filled = [{keys for g, keys in self._filled() if g == i} for i in range(len(groups))]
-        self.settings = [_settings(group, f) for group, f in zip(groups, self.filled)]
-        self.state = self._state_columns()
+        filled = {(g, keys) for _, g, keys in self.scalars}
+        self.settings = [
+            _Settings(group, {keys for g, keys in filled if g == i})
+            for i, group in enumerate(groups)
+        ]
+        # where each gradient input sits among the parameters (stale() reads them all)
+        self.grad_index = [
+            next(i for i, p in enumerate(self.params) if p is q) for q in self.grad_params
+        ]
+        self.grads_now: list[Any] = []
+        self._state_columns()
         self.wrappers_with_pairs = [w for w in self.wrappers if isinstance(w, compiler._LoInputs)]
 
     def _inputs(self, wrapper: Any, args: tuple[Any, ...], los: list[Any]) -> list[Any]:
@@ -326,19 +350,19 @@ class _Plan:
                     raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
         return inputs
 
-    def _state_columns(self) -> list[tuple[Any, list[dict[str, Any]], list[Any], bool]]:
-        """The optimizer's state by key: (key, the per-parameter dicts that hold it, their
-        values, whether all are tensors).  Read by iteration, never by a tensor key:
-        ``Tensor.__hash__`` is a Python call (225 of them cost more than the replay)."""
+    def _state_columns(self) -> None:
+        """The optimizer's state as it is: its dict, each parameter's, every value."""
         state = self.state_obj = self.optimizer.state
-        self.state_keys, self.state_dicts = list(state.keys()), list(state.values())
-        keys = dict.fromkeys(k for d in self.state_dicts for k in d)
-        columns = []
-        for key in keys:
-            dicts = [d for d in self.state_dicts if key in d]
-            values = [d[key] for d in dicts]
-            columns.append((key, dicts, values, all(isinstance(v, torch.Tensor) for v in values)))
-        return columns
+        self.state_dicts = list(state.values())
+        if len(state) != len(self.state_dicts) or any(
+            type(d) is not dict for d in self.state_dicts
+        ):
+            raise _Refused("its optimizer state is not a dict per parameter")
+        self.state_values = list(itertools.chain.from_iterable(map(dict.values, self.state_dicts)))
+        if not all(isinstance(v, torch.Tensor) for v in self.state_values):
+            raise _Refused(
+                "its optimizer state holds a Python value, which a replay would not update"
+            )
 
     def stale(self) -> str | None:
         """Why a replay would not be the step Dynamo would run now, else None."""
@@ -349,11 +373,10 @@ class _Plan:
         params = list(itertools.chain.from_iterable(g["params"] for g in groups))
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return "param_groups changed"
-        if list(map(_IS_NONE, map(_GRAD, params))) != self.none:
+        grads = self.grads_now = list(map(_GRAD, params))
+        if list(map(_IS_NONE, grads)) != self.none:
             return "a parameter's gradient appeared or went"
-        if len(groups) != len(self.settings) or not all(
-            map(_same, map(_settings, groups, self.filled), self.settings)
-        ):
+        if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
             return "a hyperparameter changed"
         why = self._state_changed()
         if why is not None:
@@ -364,25 +387,20 @@ class _Plan:
                 return why
         return None
 
-    def _filled(self) -> set[tuple[int, tuple[Any, ...]]]:
-        return {(g, keys) for _, g, keys in self.scalars}
-
     def _state_changed(self) -> str | None:
+        """``load_state_dict`` replaces ``optimizer.state``; a value replaced by hand shows
+        in the values, all of them read in one pass (never by a tensor key:
+        ``Tensor.__hash__`` is a Python call)."""
         state = self.optimizer.state
-        if (
-            state is not self.state_obj
-            or len(state) != len(self.state_keys)
-            or not all(map(operator.is_, state.keys(), self.state_keys))
-            or not all(map(operator.is_, state.values(), self.state_dicts))
+        if state is not self.state_obj or not all(
+            map(operator.is_, state.values(), self.state_dicts)
         ):
             return "the optimizer's state changed (load_state_dict?)"
-        for key, dicts, values, tensors in self.state:
-            try:
-                now = list(map(operator.itemgetter(key), dicts))
-            except KeyError:
-                return f"the optimizer's state {key!r} changed"
-            if not (all(map(operator.is_, now, values)) if tensors else now == values):
-                return f"the optimizer's state {key!r} changed"
+        values = list(itertools.chain.from_iterable(map(dict.values, self.state_dicts)))
+        if len(values) != len(self.state_values) or not all(
+            map(operator.is_, values, self.state_values)
+        ):
+            return "a value of the optimizer's state was replaced"
         return None
 
     def inside_a_capture(self) -> bool:
@@ -391,11 +409,14 @@ class _Plan:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def refresh(self, grads: bool = True) -> None:
+        """The floats the graphs read, filled from param_groups; with ``grads``, the
+        gradients :meth:`stale` read, copied into the recorded ones where they are new
+        tensors."""
         groups = self.optimizer.param_groups
         for t, g, keys in self.scalars:
             t.fill_(_lookup(groups, g, keys))
         if grads and self.static_grads:
-            now = list(map(_GRAD, self.grad_params))
+            now = list(map(self.grads_now.__getitem__, self.grad_index))
             if not all(map(operator.is_, now, self.static_grads)):
                 torch._foreach_copy_(self.static_grads, now)
 
@@ -407,6 +428,6 @@ class _Plan:
             for fn, inputs in self.calls:
                 fn(*inputs)
         for wrapper in self.wrappers:
-            wrapper.after_replay()
+            wrapper.after_replay(versions=self.graph is None)
         if hasattr(self.optimizer, "_opt_called"):  # an LR scheduler's check of the order
             self.optimizer._opt_called = True

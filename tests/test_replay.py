@@ -34,7 +34,9 @@ def _stream(shapes, steps=STEPS, seed=0):
     return start, grads
 
 
-def _train(start, grads, dtype, events=None, optimizer=torch.optim.AdamW, **options):
+def _train(
+    start, grads, dtype, events=None, optimizer=torch.optim.AdamW, capturable=False, **options
+):
     """Two param groups (decay on the matrix only) under a warmup from lr = 0, a new float
     lr per group every step, ``zero_grad()`` (set_to_none) and new gradient tensors every
     step, as a training loop makes them; ``events[i](ps, opt)`` runs before step ``i``.
@@ -42,7 +44,7 @@ def _train(start, grads, dtype, events=None, optimizer=torch.optim.AdamW, **opti
     and the optimizer."""
     ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
     groups = [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]
-    opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=True)
+    opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=True, capturable=capturable)
     if options.get("compiled", True):
         options.pop("compiled", None)
         collage_compile.compile_optimizer(opt, **options)
@@ -58,18 +60,20 @@ def _train(start, grads, dtype, events=None, optimizer=torch.optim.AdamW, **opti
     return ps, opt
 
 
-def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule():
+@pytest.mark.parametrize("capturable", [False, True], ids=["cpu-path", "cuda-path"])
+def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(capturable):
     """After one step that compiles and one that is recorded, every step is a replay
     (no Dynamo, no guard): the lr a scheduler sets per group reaches it, the new gradient
     tensors of each step are copied into the recorded ones, and the weights and their
     pairs are those of the compiled step, bit for bit: 0.1 % from the float64 run, where
-    plain bf16 is 50x further off."""
+    plain bf16 is 50x further off.  ``capturable=True`` is the step Dynamo compiles on
+    CUDA (it sets the flag there): step counts and their powers in tensors."""
     start, grads = _stream([(16, 8), (8,)])
     ref, _ = _train(start, grads, torch.float64, compiled=False)
     plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
-    compiled, _ = _train(start, grads, torch.bfloat16)
+    compiled, _ = _train(start, grads, torch.bfloat16, capturable=capturable)
     torch._dynamo.reset()
-    replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    replayed, opt = _train(start, grads, torch.bfloat16, capturable=capturable, cudagraphs=True)
     whole = opt.step.whole_step
     assert whole.refused is None
     assert whole.replays == STEPS - 2

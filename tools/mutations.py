@@ -262,6 +262,12 @@ def _apply(name):
         from collage_compile import replay
 
         replay._Plan.refresh = lambda self, grads=True: None
+    elif name == "replay_stale_grads":  # a replay reads the recorded step's gradients
+        from collage_compile import replay
+
+        replay._Plan.refresh = lambda self, grads=True: [
+            t.fill_(replay._lookup(self.optimizer.param_groups, g, k)) for t, g, k in self.scalars
+        ]
     elif name == "replay_never_gives_way":  # a replay runs whatever changed
         from collage_compile import replay
 
