@@ -306,10 +306,11 @@ def _compile_rewritten(
     inputs = list(example_inputs)
     for i, fake in scalars:
         inputs[i] = fake
+    host = _host_reads(gm) if config.cudagraphs == "step" else None
     compiled = _compat.compile_with_inductor(
         gm, [*inputs, *lo_examples], _inductor_patches(config), config.inductor_cudagraphs
     )
-    return _LoInputs(
+    out = _LoInputs(
         compiled,
         upgraded,
         unchained,
@@ -317,6 +318,24 @@ def _compile_rewritten(
         readers,
         scalars=[(i, torch.zeros((), dtype=torch.float64, device=f.device)) for i, f in scalars],
     )
+    if host is not None:
+        out.unused, out.cpu_attrs = host
+    return out
+
+
+def _host_reads(gm: fx.GraphModule) -> tuple[frozenset[int], list[str]]:
+    """The inputs ``gm`` does not read, and the CPU tensors it holds as attributes (a
+    step count kept on the CPU): a capture of the whole step holds its CPU work at one
+    step's values, so :mod:`replay` refuses a CUDA step that reads one."""
+    unused = frozenset(
+        i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if not n.users
+    )
+    cpu = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = functools.reduce(getattr, node.target.split("."), gm)
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and node.users:
+            cpu.append(node.target)
+    return unused, cpu
 
 
 def _compile_exact(
@@ -474,6 +493,9 @@ class _LoInputs:
         self.replayed = False
         # Dynamo's source of each input (``L['self'].param_groups[0]['lr']``), or None
         self.sources: list[str | None] = []
+        # cudagraphs="step": inputs the graph does not read, CPU tensors it holds
+        self.unused: frozenset[int] = frozenset()
+        self.cpu_attrs: list[str] = []
         shown = [names.display(a.real, a.name) for a in upgraded[:4]]
         more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
         self._shown = (

@@ -143,6 +143,8 @@ def train_one(
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     out = run.summary(sum(p.numel() for p in params.values()), time.perf_counter() - t0)
     out["collage_warnings"] = said
+    whole = getattr(st.opt.step, "whole_step", None)  # cudagraphs=True: the step replayed
+    out["replayed_steps"] = whole.replays if whole is not None else None
     return out
 
 
@@ -193,7 +195,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--cudagraphs",
         action="store_true",
-        help="collage strategies with cudagraphs=True (each step one CUDA graph replay)",
+        help="collage strategies with compile_optimizer(cudagraphs=True): each step after the "
+        "third one CUDA graph replay (on a CPU, the compiled graphs called without Dynamo)",
     )
     args = ap.parse_args(argv)
     demo.check_strategies(ap, args.strategies, STRATEGIES)
@@ -244,6 +247,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     for r in results:
+        if r["replayed_steps"] is not None:
+            print(
+                f"{r['strategy']}: {r['replayed_steps']} of {s.steps} optimizer steps replayed whole"
+            )
         for w in dict.fromkeys(r["collage_warnings"]):
             print(f"{r['strategy']}: {w}")
     result = demo._finite(

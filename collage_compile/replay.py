@@ -149,7 +149,7 @@ class WholeStep:
         before, calls = _compiles, []
         recording, capturing = calls, True
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.compiled()
         except Exception as e:  # nothing ran on the device: the step runs as compiled
             if _compiles == before:  # else Dynamo had to compile: recorded again later
@@ -320,7 +320,15 @@ class _Plan:
         groups = self.optimizer.param_groups
         statics = dict(wrapper._scalars)
         inputs = list(args)
+        if self.device.type == "cuda" and wrapper.cpu_attrs:
+            raise _Refused(
+                f"a graph of its step computes on CPU tensors ({wrapper.cpu_attrs[0]}: a step "
+                "count of a state loaded before compiling?), which a capture holds at one "
+                "step's values"
+            )
         for i, arg in enumerate(args):
+            if i in wrapper.unused:
+                continue
             source = wrapper.sources[i] if i < len(wrapper.sources) else None
             where = _parse(source)
             what = source or f"input {i}"
@@ -343,11 +351,15 @@ class _Plan:
                     f"its graph reads {what} as a number that a replay would hold at one "
                     "step's value"
                 )
-        inputs += los
         if self.device.type == "cuda":
-            for t in inputs:
-                if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            for i, t in enumerate([*inputs, *los]):
+                if (
+                    i not in wrapper.unused
+                    and isinstance(t, torch.Tensor)
+                    and t.device.type != "cuda"
+                ):
                     raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
+        inputs += los
         return inputs
 
     def _state_columns(self) -> None:

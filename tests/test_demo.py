@@ -109,13 +109,15 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     """examples/train_llama.py (the GPU main job) as a CPU smoke test: a one-layer Hugging
     Face Llama, each strategy a few steps under HF's cosine schedule with clipping; every
     row is there with finite numbers, its time columns add up, its state is what the
-    strategy keeps, and no collage strategy gave a CollageWarning."""
+    strategy keeps, and no collage strategy gave a CollageWarning.  With ``--cudagraphs``,
+    as on the GPU: every collage step after the one that compiles and the one that is
+    recorded is a replay of the whole step (:mod:`collage_compile.replay`)."""
     pytest.importorskip("transformers")
     from collage_compile import demo_llama
 
     argv = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
     argv += ["--block-size", "16", "--batch-size", "4", "--eval-every", "3"]
-    argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path)]
+    argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path), "--cudagraphs"]
     result = demo_llama.run(argv)
     saved = json.loads((tmp_path / "train_llama.json").read_text())
     assert saved["table"] == result["table"]
@@ -131,6 +133,7 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(4 * 16 / (r["ms_per_step"] / 1e3)), name
         if name.startswith("collage"):
             assert r["collage_warnings"] == [], name
+            assert r["replayed_steps"] == 4, name
         else:  # a fused AdamW on bf16 weights is named as plain bf16 once the watch is on
             assert all("fused=True" in w for w in r["collage_warnings"]), name
     assert f"| collage-light | {rows['collage-light']['final_val_loss']:.4f} |" in result["table"]

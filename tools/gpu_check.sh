@@ -9,14 +9,16 @@
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
 # Parts, with what they took on the H100 (16 host cores):
-#   host       benchmarks.host at the demo's tensor count with a new lr every step: where
-#              a captured step's host time goes (cProfile of light-cg), fused AdamW beside
-#              it, and the code Inductor generated (code/: graph partitions, host reads of
-#              CPU scalars, CPU buffers before a replay).  2026-11-26, cold: 8 variants
-#              did not finish compiling in 150 s (3 of them did); 5 variants, warm, 200 s
-#   tests      the GPU tests, 12 workers: CUDA-graph capture, Triton against the C++ path,
-#              host cost, schedules.  2026-11-26: cold, not done in 150 s (5 failures
-#              reported no further); warm, 82 passed in 182 s
+#   host       benchmarks.host at the demo's tensor count with a new lr every step: the
+#              host time of the whole-step replay (light-cg, plus-cg: compile_optimizer(
+#              cudagraphs=True)) beside plain Inductor's cudagraph trees and fused AdamW,
+#              where it goes (cProfile of light-cg), and the code Inductor generated
+#              (code/).  2026-11-26, cold: 8 variants did not finish compiling in 150 s
+#              (3 of them did); 5 variants, warm, 200 s
+#   tests      the GPU tests, 12 workers: the whole-step replay (test_replay.py first),
+#              CUDA-graph capture, Triton against the C++ path, host cost, schedules.
+#              2026-11-26: cold, not done in 150 s (5 failures reported no further);
+#              warm, 82 passed in 182 s
 #   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (166 s)
 #   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
@@ -48,7 +50,8 @@ part() {  # part SECONDS LOG COMMAND...: one part, stopped at its limit
 
 run() {
     case $1 in
-    tests) part 230 tests.log python3 -m pytest -n 12 -q -rfs --tb=short tests/test_cudagraphs.py \
+    tests) part 230 tests.log python3 -m pytest -n 12 -q -rfs --tb=short tests/test_replay.py \
+        tests/test_cudagraphs.py \
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
