@@ -149,6 +149,8 @@ class _EveryK:
     bit-identical to ``metrics=False``); which one runs is the wrapper's choice, so a step
     never recompiles for it."""
 
+    replay_role = "every"  # for replay: which graph runs is chosen per call
+
     def __init__(
         self, measured: _LoInputs, plain: Callable[..., Any], every: int | Literal["metered"]
     ):
@@ -207,7 +209,8 @@ class _StepTicks:
 
     def __init__(self, compiled: Callable[..., Any], ticks: list[int], empty: bool = False):
         self.compiled, self.ticks = compiled, ticks
-        self.empty = empty  # the graph is the watch's ticks alone: it computes nothing
+        # for replay: the graph is the watch's ticks alone (it computes nothing), or not
+        self.replay_role = "watch" if empty else "graph"
 
     def __call__(self, *args: Any) -> Any:
         if replay.recording is not None:
@@ -470,6 +473,8 @@ class _LoInputs:
     only reads (an EMA's parameter) gets its pair's lo when it has one, else zeros: reading
     it creates no pair (its writer does that).
     """
+
+    replay_role = "pairs"  # for replay: a graph whose inputs it classifies
 
     def __init__(
         self,

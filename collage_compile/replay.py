@@ -266,8 +266,6 @@ class _Plan:
         calls: list[tuple[Any, tuple[Any, ...], list[Any]]],
         graph: Any = None,
     ):
-        from collage_compile import compiler
-
         self.optimizer, self.graph = optimizer, graph
         groups = optimizer.param_groups
         self.params = list(itertools.chain.from_iterable(g["params"] for g in groups))
@@ -281,17 +279,18 @@ class _Plan:
         self.static_grads: list[torch.Tensor] = []
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
         self.wrappers: list[Any] = []
-        if not any(isinstance(w, compiler._LoInputs) for w, _, _ in calls):
+        # each wrapper of the backend says what it is (compiler: _LoInputs "pairs",
+        # _StepTicks "watch" or "graph", _EveryK "every")
+        roles = [getattr(w, "replay_role", None) for w, _, _ in calls]
+        if "pairs" not in roles:
             raise _Refused("its step called no graph that updates a pair")
-        for wrapper, args, los in calls:
+        for (wrapper, args, los), role in zip(calls, roles):
             self.wrappers.append(wrapper)
-            if isinstance(wrapper, compiler._LoInputs):
+            if role == "pairs":
                 self.calls.append((wrapper.compiled, self._inputs(wrapper, args, los)))
-            elif isinstance(wrapper, compiler._StepTicks) and wrapper.empty:
-                pass  # the optimizer watch's graph: only its bookkeeping
-            elif isinstance(wrapper, compiler._EveryK):
+            elif role == "every":
                 raise _Refused("it measures metrics every few steps (metrics=True)")
-            else:
+            elif role != "watch":  # the optimizer watch's graph: only its bookkeeping
                 raise _Refused("its step calls a graph that updates no pair")
         filled = {(g, keys) for _, g, keys in self.scalars}
         self.settings = [
@@ -304,7 +303,7 @@ class _Plan:
         ]
         self.grads_now: list[Any] = []
         self._state_columns()
-        self.wrappers_with_pairs = [w for w in self.wrappers if isinstance(w, compiler._LoInputs)]
+        self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]
 
     def _inputs(self, wrapper: Any, args: tuple[Any, ...], los: list[Any]) -> list[Any]:
         """A graph's inputs as a replay passes them, each one classified: a float the
