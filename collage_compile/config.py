@@ -55,18 +55,17 @@ class CollageConfig:
         is the steps a ``metered`` loop reports.  Compiling takes twice as long (both
         graphs are compiled up front).
     cudagraphs:
-        Have Inductor capture each compiled CUDA graph as a CUDA graph (its cudagraph
-        trees, what ``torch.compile(mode="reduce-overhead")`` turns on, which sets this
-        option for ``backend="collage"``), so a step's host cost is one replay whatever
-        the number of tensors.  Every ``lo`` the graph writes is a static input (its
+        Have Inductor capture each compiled graph as a CUDA graph (its cudagraph trees,
+        what ``torch.compile(mode="reduce-overhead")`` turns on, which sets this option for
+        ``backend="collage"``).  Every ``lo`` the graph writes is a static input (its
         address is fixed for the tensor's life), the optimizer watch runs outside the
         graph, and a graph Inductor does not capture is named in a CollageWarning with
-        Inductor's reason.  Off by default: its speed and memory on a GPU have not been
-        measured yet (docs/speed.md).  Ignored on CPU, with a warning.
-        ``"step"``: what :func:`collage_compile.compile_optimizer` asks for with
-        ``cudagraphs=True``: the graphs are prepared for one capture of the whole
-        optimizer step (:mod:`collage_compile.replay`), which Inductor then does not capture
-        graph by graph.
+        Inductor's reason.  Dynamo's guards and Inductor's wrappers still run per call
+        (docs/speed.md).  Ignored on CPU, with a warning.
+        :func:`collage_compile.compile_optimizer` with ``cudagraphs=True`` instead captures
+        the whole optimizer step once and replays it (:mod:`collage_compile.replay`); it
+        compiles with ``"step"``: graphs prepared for that capture, which Inductor does
+        not capture one by one.
     """
 
     mode: str = "light"

@@ -30,6 +30,10 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     one opaque kernel that no backend can rewrite: a ``ValueError`` says so (build it with
     ``fused=False``; :class:`collage_compile.hf.CollageCallback` switches a trainer's
     default fused AdamW before its first step).
+
+    ``cudagraphs=True``: once a call compiles nothing, the whole step is captured as one
+    CUDA graph and replayed, each call checked against what the compiled step would run
+    (:mod:`collage_compile.replay`; on a CPU the recorded graphs are called directly).
     """
     from collage_compile import compiler, replay, watch
 

@@ -298,9 +298,8 @@ class _Plan:
             for i, group in enumerate(groups)
         ]
         # where each gradient input sits among the parameters (stale() reads them all)
-        self.grad_index = [
-            next(i for i, p in enumerate(self.params) if p is q) for q in self.grad_params
-        ]
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self.grad_index = [position[id(q)] for q in self.grad_params]
         self.grads_now: list[Any] = []
         self._state_columns()
         self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]

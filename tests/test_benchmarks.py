@@ -120,23 +120,26 @@ def test_step_benchmark_skips_absent_alternatives_with_a_message(monkeypatch, ca
 def test_host_benchmark_times_each_variant_under_a_schedule_without_recompiling(tmp_path):
     """``python -m benchmarks.host`` with a new lr every step: a row per variant, the
     profile of one, and no recompile for the lr (plain Inductor gets a tensor lr, collage
-    compiles its float lr as an input from the first step)."""
+    compiles its float lr as an input from the first step); collage's ``-cg`` row is the
+    whole-step replay (on a CPU its graphs called directly), and it replays."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     env["TORCH_LOGS"] = "recompiles"
     cmd = [sys.executable, "-m", "benchmarks.host", "--tensors", "3", "--rounds", "1"]
-    cmd += ["--steps", "3", "--schedule", "--variants", "plain,light,fused32", "--profile", "light"]
+    cmd += ["--steps", "3", "--schedule", "--variants", "plain,light,light-cg,fused32"]
+    cmd += ["--profile", "light"]
     cmd += ["--code", str(tmp_path / "code")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     timing, _, code = proc.stdout.partition("generated code")
     rows = [line.split() for line in timing.splitlines() if line.startswith("      3 ")]
-    assert [r[1] for r in rows] == ["plain", "light", "fused32"], proc.stdout
+    assert [r[1] for r in rows] == ["plain", "light", "light-cg", "fused32"], proc.stdout
+    assert "not replayed" not in proc.stderr, proc.stderr[-4000:]
     # the code of each compiled variant (fused32 runs eagerly): no partition and no host
     # read of a CPU scalar on a CPU (a captured CUDA step is what may have them)
     files = [line.split() for line in code.splitlines() if line.startswith("      3 ")]
-    assert [f[1] for f in files] == ["plain", "light", "fused32"], code
-    assert [f[3:] for f in files] == [["0", "0", "0"]] * 3, code
-    assert int(files[0][2]) >= 1 and int(files[1][2]) >= 1 and files[2][2] == "0", code
+    assert [f[1] for f in files] == ["plain", "light", "light-cg", "fused32"], code
+    assert [f[3:] for f in files] == [["0", "0", "0"]] * 4, code
+    assert all(int(f[2]) >= 1 for f in files[:3]) and files[3][2] == "0", code
     assert "def call(" in (tmp_path / "code" / "light-3-0.py").read_text()
     assert all(float(r[2]) > 0 for r in rows) and float(rows[0][3]) == 1.0
     assert "a new lr every step" in proc.stdout and "cProfile" in proc.stdout
