@@ -159,6 +159,19 @@ def step_compiles(counter: CompiledGraphs) -> int:
     return sum(not _compat.is_step_tick_graph(gm) for gm in counter.graphs)
 
 
+def drifting_stream(shapes, steps, seed=0):
+    """bf16 start values and ``steps`` lists of bf16 gradients, one per shape: noise around a
+    direction the steps agree on (so plain bf16 loses updates that a pair keeps)."""
+    g = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    drift = [torch.randn(s, generator=g) for s in shapes]
+    grads = [
+        [(d + 0.5 * torch.randn(s, generator=g)).bfloat16() for s, d in zip(shapes, drift)]
+        for _ in range(steps)
+    ]
+    return start, grads
+
+
 def relative_error(value: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
     """||value - ref|| relative to the total movement ||ref - start|| (float64)."""
     value, ref, start = value.double(), ref.double(), start.double()

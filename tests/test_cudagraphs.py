@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import CompiledGraphs, relative_error, step_compiles
+from conftest import CompiledGraphs, drifting_stream, relative_error, step_compiles
 from torch._dynamo.testing import CompileCounterWithBackend
 from user_optimizers import Lion
 
@@ -23,17 +23,6 @@ from collage_compile import _compat
 
 Warning = collage_compile.CollageWarning
 STEPS = 40
-
-
-def _stream(shapes, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    start = [torch.randn(s, generator=g).bfloat16() for s in shapes]
-    drift = [torch.randn(s, generator=g) for s in shapes]  # a direction the steps agree on
-    grads = [
-        [(d + 0.5 * torch.randn(s, generator=g)).bfloat16() for s, d in zip(shapes, drift)]
-        for _ in range(STEPS)
-    ]
-    return start, grads
 
 
 def _run(start, grads, dtype, compile_step):
@@ -51,7 +40,7 @@ def test_reduce_overhead_on_cpu_compensates_and_says_once_that_nothing_is_captur
     """The user's own ``mode="reduce-overhead"`` reaches the backend (it rejected every
     mode but the default before): on a CPU the step compiles, stays compensated, and one
     CollageWarning says no CUDA graph is captured."""
-    start, grads = _stream([(16, 8), (8,)])
+    start, grads = drifting_stream([(16, 8), (8,)], STEPS)
     ref = _run(start, grads, torch.float64, lambda opt: opt.step)
     plain = _run(start, grads, torch.bfloat16, lambda opt: opt.step)
     with warnings.catch_warnings(record=True) as rec:
@@ -93,7 +82,7 @@ def test_only_a_graph_with_cpu_work_is_named_as_not_captured():
         return compiled
 
     torch._dynamo.reset()
-    start, grads = _stream([(16, 8), (8,)])
+    start, grads = drifting_stream([(16, 8), (8,)], STEPS)
     _run(start, grads[:2], torch.bfloat16, lambda opt: torch.compile(opt.step, backend=backend))
     assert sorted(ticks for ticks, _ in graphs) == [False, True], graphs
     for ticks, said in graphs:
@@ -110,7 +99,7 @@ def test_every_input_a_rewritten_step_writes_keeps_its_address(monkeypatch):
         torch._dynamo.reset()
         if not mark:
             monkeypatch.setattr(_compat, "mark_static_input", lambda node: None)
-        start, grads = _stream([(16, 8), (8,), (8,)])
+        start, grads = drifting_stream([(16, 8), (8,), (8,)], STEPS)
         with _compat.cudagraph_inputs() as seen:
             _run(
                 start,
@@ -163,7 +152,7 @@ def test_a_scheduled_lr_reaches_a_captured_step_as_a_tensor_that_keeps_its_addre
     ``cudagraphs=True`` the backend passes each lr in a tensor of its own on the step's
     device, marked static (``rewrite.scalars_as_static_inputs``): one static input more
     per param group, the same weights bit for bit, one compile for every lr."""
-    start, grads = _stream([(16, 8), (8,)])
+    start, grads = drifting_stream([(16, 8), (8,)], STEPS)
     ref, _, _ = _scheduled(start, grads, torch.float64)
     plain, _, _ = _scheduled(start, grads, torch.bfloat16)
     runs = {}
@@ -248,7 +237,7 @@ def test_a_cuda_step_is_captured_once_and_replayed_compensated():
     no CollageWarning) and every replay stays compensated against float64."""
     from torch._dynamo.utils import counters
 
-    start, grads = _stream([(256, 64), (64,)])
+    start, grads = drifting_stream([(256, 64), (64,)], STEPS)
     dev = [[gr.cuda() for gr in gs] for gs in grads]
     ref = _run([t.cuda() for t in start], dev, torch.float64, lambda opt: opt.step)
     plain = _run([t.cuda() for t in start], dev, torch.bfloat16, lambda opt: opt.step)
@@ -276,7 +265,7 @@ def test_a_captured_cuda_step_takes_a_scheduled_lr_without_a_copy_per_gradient()
     copied to the device); a steady step copies its gradients into the graph's inputs
     with one ``_foreach_copy_``, not one ``aten::copy_`` per gradient (its per-tensor
     loop, which a float64 lr among the bf16 gradients caused)."""
-    start, grads = _stream([(256, 64), (64,), (64, 32), (32,)])
+    start, grads = drifting_stream([(256, 64), (64,), (64, 32), (32,)], STEPS)
     ref, _, _ = _scheduled(start, grads, torch.float64, device="cuda")
     plain, _, _ = _scheduled(start, grads, torch.bfloat16, device="cuda")
     torch._dynamo.reset()

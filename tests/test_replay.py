@@ -14,24 +14,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import mcf_value, relative_error
+from conftest import drifting_stream, mcf_value, relative_error
 from user_optimizers import Lion
 
 import collage_compile
 
 Warning = collage_compile.CollageWarning
 STEPS = 30
-
-
-def _stream(shapes, steps=STEPS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    start = [torch.randn(s, generator=g).bfloat16() for s in shapes]
-    drift = [torch.randn(s, generator=g) for s in shapes]  # a direction the steps agree on
-    grads = [
-        [(d + 0.5 * torch.randn(s, generator=g)).bfloat16() for s, d in zip(shapes, drift)]
-        for _ in range(steps)
-    ]
-    return start, grads
 
 
 def _train(
@@ -68,7 +57,7 @@ def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(captu
     pairs are those of the compiled step, bit for bit: 0.1 % from the float64 run, where
     plain bf16 is 50x further off.  ``capturable=True`` is the step Dynamo compiles on
     CUDA (it sets the flag there): step counts and their powers in tensors."""
-    start, grads = _stream([(16, 8), (8,)])
+    start, grads = drifting_stream([(16, 8), (8,)], STEPS)
     ref, _ = _train(start, grads, torch.float64, compiled=False)
     plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
     compiled, _ = _train(start, grads, torch.bfloat16, capturable=capturable)
@@ -120,7 +109,7 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
     restarting that weight's lo) each make the next step run compiled, then be recorded
     and replayed again: the weights are those of the compiled step under the same events,
     bit for bit, and the outside write is named in both runs."""
-    start, grads = _stream([(16, 8), (8,)], steps=24)
+    start, grads = drifting_stream([(16, 8), (8,)], 24)
     runs = {}
     for whole in (False, True):
         torch._dynamo.reset()
@@ -156,7 +145,7 @@ def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
     """Metrics returned per call, a step hook (Python a replay would skip) and an
     optimizer class outside torch.optim each get one CollageWarning naming why, and
     the step runs compiled every time: the same weights as without ``cudagraphs``."""
-    start, grads = _stream([(16, 8), (8,)], steps=6)
+    start, grads = drifting_stream([(16, 8), (8,)], 6)
     options = {"metrics": True} if case == "metrics" else {}
     optimizer = _OwnAdamW if case == "not torch.optim" else torch.optim.AdamW
     calls = []
@@ -199,7 +188,7 @@ def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_f
     kernel of the optimizer from the host (only the lr fills and the gradient copy) and
     one graph; the weights are those of the uncaptured compiled step, bit for bit, under
     a schedule from lr = 0 with new gradient tensors every step, and track float64."""
-    start, grads = _stream([(64, 32), (32,), (32, 32)])
+    start, grads = drifting_stream([(64, 32), (32,), (32, 32)], STEPS)
     start = [t.cuda() for t in start]
     grads = [[g.cuda() for g in gs] for gs in grads]
     ref, _ = _train(start, grads, torch.float64, compiled=False)
@@ -236,7 +225,7 @@ def test_on_cuda_a_step_that_counts_on_the_cpu_is_named_and_not_captured():
     """An AdamW that stepped eagerly before it was compiled keeps its step counts on the
     CPU (``capturable=False``): a capture would freeze them at one value, so the step is
     named as not replayed and runs compiled, the same weights as without cudagraphs."""
-    start, grads = _stream([(64, 32), (32,)], steps=8)
+    start, grads = drifting_stream([(64, 32), (32,)], 8)
     start = [t.cuda() for t in start]
     grads = [[g.cuda() for g in gs] for gs in grads]
 
