@@ -134,6 +134,9 @@ class WholeStep:
         except _Refused as e:
             self._refuse(str(e))
             return out
+        except (LookupError, TypeError, AttributeError) as e:  # a source read differently
+            self._refuse(f"its recorded step could not be read ({type(e).__name__}: {e})")
+            return out
         if plan.device.type == "cuda":
             self.pending = plan
         else:
@@ -162,7 +165,7 @@ class WholeStep:
             plan = _Plan(self.optimizer, calls, graph)
             if plan.wrappers != pending.wrappers:
                 raise _Refused("the captured step called other graphs than the one before it")
-        except _Refused as e:
+        except (_Refused, LookupError, TypeError, AttributeError) as e:
             graph.replay()  # this step, as captured
             self._refuse(str(e))
             return None
@@ -313,7 +316,7 @@ class _Plan:
             raise _Refused("mode='exact' is not replayed yet")
         if wrapper.new_state or wrapper._by_input or wrapper._unchained_refs:
             raise _Refused("a graph of its step does per-call work outside its kernels")
-        if wrapper._unchained_inputs:
+        if wrapper._unchained_inputs:  # (their lo restarts after every call)
             raise _Refused("a graph of its step does per-call work outside its kernels")
         groups = self.optimizer.param_groups
         statics = dict(wrapper._scalars)
