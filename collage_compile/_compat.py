@@ -412,18 +412,6 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-def input_sources(gm: fx.GraphModule) -> list[str | None]:
-    """Dynamo's source of each input of ``gm`` as its guards name it
-    (``L['self'].param_groups[0]['lr']``), None where it has none (2.11, 2.13: ``name`` is
-    a property on 2.13, a method before)."""
-    out: list[str | None] = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        source = getattr(node, "_dynamo_source", None)
-        name = getattr(source, "name", None) if source is not None else None
-        out.append(name() if callable(name) else name)
-    return out
-
-
 def is_gradient_input(node: fx.Node) -> bool:
     """Whether a graph input is a tensor's ``.grad`` (Dynamo's ``GradSource``; 2.11, 2.13)."""
     from torch._dynamo.source import GradSource

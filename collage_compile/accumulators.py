@@ -261,7 +261,7 @@ class GraphInfo:
                 continue
             real = None
             if node.op == "get_attr":
-                real = _fetch_attr(self.gm, node.target)
+                real = fetch_attr(self.gm, node.target)
                 probe = real
                 idx = None
             else:
@@ -364,14 +364,15 @@ def real_value(info: GraphInfo, node: fx.Node) -> Any:
     """The real object behind a get_attr node or a placeholder (its example input), when
     the graph was compiled; None for anything else."""
     if node.op == "get_attr":
-        return _fetch_attr(info.gm, str(node.target))
+        return fetch_attr(info.gm, str(node.target))
     if node.op == "placeholder":
         idx = info.placeholders.index(node)
         return info.example_inputs[idx] if idx < len(info.example_inputs) else None
     return None
 
 
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    """The object a get_attr node's ``target`` names in ``gm`` (None if absent)."""
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part, None)

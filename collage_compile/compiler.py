@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
-from collage_compile.accumulators import Accumulator, GraphInfo
+from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
 
@@ -183,7 +183,7 @@ def _compile_graph(
     if isinstance(compiled, _LoInputs):
         compiled.ticks = ticks
         compiled.replayed = config.inductor_cudagraphs
-        compiled.sources = _compat.input_sources(gm)
+        compiled.sources = [names.source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         return compiled
     # for a capture of the whole step every graph it calls is seen (replay.record)
     wrap = ticks or config.cudagraphs == "step"
@@ -335,7 +335,7 @@ def _host_reads(gm: fx.GraphModule) -> tuple[frozenset[int], list[str]]:
     )
     cpu = []
     for node in gm.graph.find_nodes(op="get_attr"):
-        value = functools.reduce(getattr, node.target.split("."), gm)
+        value = fetch_attr(gm, node.target)
         if isinstance(value, torch.Tensor) and value.device.type == "cpu" and node.users:
             cpu.append(node.target)
     return unused, cpu
@@ -496,8 +496,8 @@ class _LoInputs:
         self.ticks: list[int] = []
         # captured as a CUDA graph: an output is overwritten by the next replay
         self.replayed = False
-        # Dynamo's source of each input (``L['self'].param_groups[0]['lr']``), or None
-        self.sources: list[str | None] = []
+        # Dynamo's source of each input (``L['self'].param_groups[0]['lr']``)
+        self.sources: list[str] = []
         # cudagraphs="step": inputs the graph does not read, CPU tensors it holds
         self.unused: frozenset[int] = frozenset()
         self.cpu_attrs: list[str] = []

@@ -58,7 +58,6 @@ _compiles = 0
 
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
-_DATA_PTR = torch.Tensor.data_ptr
 # Dynamo's name of a value under an optimizer's param_groups: group, keys, ``.grad``
 _SOURCE = re.compile(r"\.param_groups\[(\d+)\]((?:\[(?:'[^']*'|\d+)\])+)(\.grad)?$")
 _KEY = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
@@ -149,18 +148,19 @@ class WholeStep:
         global recording, capturing
         pending.refresh(grads=False)  # the floats the graphs read, set before the capture
         graph = torch.cuda.CUDAGraph()
-        before, calls = _compiles, []
+        before, calls, failed = _compiles, [], None
         recording, capturing = calls, True
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.compiled()
-        except Exception as e:  # nothing ran on the device: the step runs as compiled
-            if _compiles == before:  # else Dynamo had to compile: recorded again later
-                self._refuse(f"its capture failed ({type(e).__name__}: {str(e)[:200]})")
-            recording, capturing = None, False
-            return self.compiled()
+        except Exception as e:
+            failed = e
         finally:
             recording, capturing = None, False
+        if failed is not None:  # nothing ran on the device: the step runs as compiled
+            if _compiles == before:  # else Dynamo had to compile: recorded again later
+                self._refuse(f"its capture failed ({type(failed).__name__}: {str(failed)[:200]})")
+            return self.compiled()
         try:
             plan = _Plan(self.optimizer, calls, graph)
             if plan.wrappers != pending.wrappers:
@@ -314,9 +314,13 @@ class _Plan:
             raise _Refused("it measures metrics (metrics=True), returned per call")
         if wrapper.exact:
             raise _Refused("mode='exact' is not replayed yet")
-        if wrapper.new_state or wrapper._by_input or wrapper._unchained_refs:
-            raise _Refused("a graph of its step does per-call work outside its kernels")
-        if wrapper._unchained_inputs:  # (their lo restarts after every call)
+        # state it creates, tensors passed in, writes whose pairs restart after each call
+        if (
+            wrapper.new_state
+            or wrapper._by_input
+            or wrapper._unchained_refs
+            or (wrapper._unchained_inputs)
+        ):
             raise _Refused("a graph of its step does per-call work outside its kernels")
         groups = self.optimizer.param_groups
         statics = dict(wrapper._scalars)
