@@ -325,9 +325,19 @@ def _dcp_save(rank: int, world: int, path: str, first: int, then: int, mode: str
 
 
 def _dcp_resume(
-    rank: int, world: int, path: str, first: int, then: int, mode: str = "plus"
+    rank: int,
+    world: int,
+    path: str,
+    first: int,
+    then: int,
+    mode: str = "plus",
+    save_to: str | None = None,
 ) -> dict:
+    """Load ``path`` into a run that already trained, train ``then`` steps; ``save_to``:
+    save what was loaded again, from this world size (a checkpoint to reshard back)."""
     import warnings
+
+    import torch.distributed.checkpoint as dcp
 
     import collage_compile
 
@@ -337,6 +347,8 @@ def _dcp_resume(
         run.train(range(1))  # a run that already holds pairs and state of its own
         run.load(path)
         loaded = run.tensors()
+        if save_to is not None:
+            dcp.save(run.state_dict(), checkpoint_id=save_to)
         run.train(range(first, first + then))
         return {"loaded": loaded, "final": run.tensors()}
 
@@ -355,14 +367,13 @@ def test_dcp_resume_is_bit_identical_and_reshards(tmp_path):
     same_world = run_ranks(_dcp_resume, 2, two, first, then)[0]
     assert _same(saved["saved"], same_world["loaded"]) == []
     assert _same(saved["final"], same_world["final"]) == []
-    # 2 -> 1: DCP reshards every hi, lo and moment onto one rank
-    one = run_ranks(_dcp_resume, 1, two, first, 0)[0]
-    assert _same(saved["saved"], one["loaded"]) == []
-    # 1 -> 2
+    # 2 -> 1: DCP reshards every hi, lo and moment onto one rank, which saves them again
     single = str(tmp_path / "one")
-    saved_one = run_ranks(_dcp_save, 1, single, first, 0)[0]
+    one = run_ranks(_dcp_resume, 1, two, first, 0, "plus", single)[0]
+    assert _same(saved["saved"], one["loaded"]) == []
+    # 1 -> 2: a checkpoint written by one rank, split onto two
     resumed_two = run_ranks(_dcp_resume, 2, single, first, 0)[0]
-    assert _same(saved_one["saved"], resumed_two["loaded"]) == []
+    assert _same(saved["saved"], resumed_two["loaded"]) == []
     print(
         f"DCP: {len(los)} lo tensors; 2 -> 2 resumed bit-identically for {then} steps, "
         f"2 -> 1 and 1 -> 2 loaded bit-identically"
