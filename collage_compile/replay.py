@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from collage_compile import _compat
+
 log = logging.getLogger("collage_compile")
 
 __all__ = ["WholeStep"]
@@ -57,6 +59,13 @@ capturing = False
 _compiles = 0
 
 _GRAD = operator.attrgetter("grad")
+
+
+def _spec(t: Any) -> Any:
+    """A DTensor's sharding (read only where the recorded step's gradients were DTensors)."""
+    return getattr(t, "_spec", None)
+
+
 _IS_NONE = functools.partial(operator.is_, None)
 # Dynamo's name of a value under an optimizer's param_groups: group, keys, ``.grad``
 _SOURCE = re.compile(r"\.param_groups\[(\d+)\]((?:\[(?:'[^']*'|\d+)\])+)(\.grad)?$")
@@ -303,6 +312,13 @@ class _Plan:
         # where each gradient input sits among the parameters (stale() reads them all)
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
+        # FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
+        # copy); a new one must be sharded as the captured one was
+        dtensors = list(map(_compat.is_dtensor, self.static_grads))
+        if any(dtensors) and not all(dtensors):
+            raise _Refused("its gradients are DTensors and plain tensors at once")
+        self.grad_specs = list(map(_spec, self.static_grads)) if any(dtensors) else []
+        self.static_locals = list(map(_compat.local_tensor, self.static_grads))
         self.grads_now: list[Any] = []
         self._state_columns()
         self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]
@@ -393,6 +409,10 @@ class _Plan:
         grads = self.grads_now = list(map(_GRAD, params))
         if list(map(_IS_NONE, grads)) != self.none:
             return "a parameter's gradient appeared or went"
+        if self.grad_specs and not all(
+            map(operator.eq, map(_spec, map(grads.__getitem__, self.grad_index)), self.grad_specs)
+        ):
+            return "a gradient is sharded differently"
         if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
             return "a hyperparameter changed"
         why = self._state_changed()
@@ -435,7 +455,9 @@ class _Plan:
         if grads and self.static_grads:
             now = list(map(self.grads_now.__getitem__, self.grad_index))
             if not all(map(operator.is_, now, self.static_grads)):
-                torch._foreach_copy_(self.static_grads, now)
+                if self.grad_specs:  # DTensors: their shards (a Python call each)
+                    now = list(map(_compat.local_tensor, now))
+                torch._foreach_copy_(self.static_locals, now)
 
     def run(self) -> None:
         self.refresh()

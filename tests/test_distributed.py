@@ -67,10 +67,16 @@ def _on_meta() -> torch.nn.Module:
 
 
 def _train_fsdp(
-    backend_name: str, mode: str, foreach: bool, meta: bool = False, mesh: object = None
+    backend_name: str,
+    mode: str,
+    foreach: bool,
+    meta: bool = False,
+    mesh: object = None,
+    replayed: bool = False,
 ) -> dict[str, float]:
     """One run: squared errors of this rank's shards against float64 (summed by the
-    parent over ranks) and what the run's tensors look like."""
+    parent over ranks) and what the run's tensors look like.  ``replayed``: the step
+    through ``compile_optimizer(opt, cudagraphs=True)`` (replayed whole once steady)."""
     from torch._functorch import config as functorch_config
 
     import collage_compile
@@ -85,7 +91,10 @@ def _train_fsdp(
     # its uneven shard (pytorch#188390; collage's backend skips that cache for DTensor
     # graphs itself)
     functorch_config.enable_autograd_cache = backend_name != "plain"
-    step = torch.compile(opt.step, backend=backend)
+    if replayed:
+        step = collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=True).step
+    else:
+        step = torch.compile(opt.step, backend=backend)
 
     @torch.compile(backend=backend)
     def ema_update():
@@ -126,6 +135,14 @@ def _train_fsdp(
             if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16
         ]
         out["state_los"] = sum(lo is not None for lo in state_los)
+        out["bits"] = [
+            _local(t).detach().clone()
+            for p in params
+            for t in [p, *(v for v in opt.state[p].values() if v.dim())]
+            for t in [t, collage_compile.components(t)[1]]
+            if t is not None
+        ]
+        out["replays"] = step.whole_step.replays if replayed else 0
     return out
 
 
@@ -136,6 +153,7 @@ def _fsdp_numerics(rank: int, world: int) -> dict[str, dict[str, float]]:
 
     runs = {
         "plus-foreach": ("collage", "plus", True),
+        "plus-replayed": ("collage", "plus", True, False, None, True),
         "light-single": ("collage", "light", False),
         "light-meta": ("collage", "light", True, True),
         "plain": ("plain", "light", True),
@@ -177,6 +195,12 @@ def test_fsdp2_optimizer_step_tracks_float64():
             assert r[name]["value_is_dtensor"]
         assert r["plus-foreach"]["state_los"] > 0  # plus: the moments carry pairs too
         assert r["light-single"]["state_los"] == 0
+        # the whole step replayed (on a CPU: its recorded graphs called without Dynamo),
+        # the DTensor gradients copied shard to shard: bit for bit the compiled step
+        assert r["plus-replayed"]["replays"] == STEPS - 2
+        replayed, compiled = r["plus-replayed"]["bits"], r["plus-foreach"]["bits"]
+        assert len(replayed) == len(compiled) > 0
+        assert all(torch.equal(a, b) for a, b in zip(replayed, compiled))
 
 
 def _fsdp_mixed_precision(rank: int, world: int) -> bool:
