@@ -98,6 +98,7 @@ class WholeStep:
         self.refused: str | None = None
         self.replays = 0
         self.given_way: list[str] = []  # why a recorded step ran compiled (the first 100)
+        self.capture_error: BaseException | None = None  # a failed capture, traceback kept
         if not type(optimizer).__module__.startswith("torch.optim."):
             self._refuse(f"{type(optimizer).__name__} is not one of torch.optim's optimizers")
 
@@ -167,7 +168,9 @@ class WholeStep:
         finally:
             recording, capturing = None, False
         if failed is not None:  # nothing ran on the device: the step runs as compiled
+            log.debug("collage: capture of the whole step failed", exc_info=failed)
             if _compiles == before:  # else Dynamo had to compile: recorded again later
+                self.capture_error = failed
                 self._refuse(f"its capture failed ({type(failed).__name__}: {str(failed)[:200]})")
             return self.compiled()
         try:

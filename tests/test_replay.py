@@ -10,6 +10,7 @@ CUDA test at the end runs on a GPU.
 from __future__ import annotations
 
 import copy
+import traceback
 import warnings
 
 import pytest
@@ -198,7 +199,9 @@ def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_f
     torch._dynamo.reset()
     replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
     whole = opt.step.whole_step
-    assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None
+    failed = whole.capture_error
+    why = "".join(traceback.format_exception(failed)) if failed else whole.refused
+    assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None, why
     assert whole.replays == STEPS - 3  # compile, record, capture (replayed once)
     for c, r in zip(compiled, replayed):
         assert torch.equal(c, r)
