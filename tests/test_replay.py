@@ -25,7 +25,14 @@ STEPS = 30
 
 
 def _train(
-    start, grads, dtype, events=None, optimizer=torch.optim.AdamW, capturable=False, **options
+    start,
+    grads,
+    dtype,
+    events=None,
+    optimizer=torch.optim.AdamW,
+    capturable=False,
+    foreach=True,
+    **options,
 ):
     """Two param groups (decay on the matrix only) under a warmup from lr = 0, a new float
     lr per group every step, ``zero_grad()`` (set_to_none) and new gradient tensors every
@@ -34,7 +41,7 @@ def _train(
     and the optimizer."""
     ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
     groups = [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]
-    opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=True, capturable=capturable)
+    opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=foreach, capturable=capturable)
     if options.get("compiled", True):
         options.pop("compiled", None)
         collage_compile.compile_optimizer(opt, **options)
@@ -141,14 +148,18 @@ class _OwnAdamW(torch.optim.AdamW):
 
 @pytest.mark.parametrize(
     "case",
-    ["metrics", "hook", "not torch.optim"],
+    ["metrics", "hook", "not torch.optim", "single-tensor"],
 )
 def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
-    """Metrics returned per call, a step hook (Python a replay would skip) and an
-    optimizer class outside torch.optim each get one CollageWarning naming why, and
-    the step runs compiled every time: the same weights as without ``cudagraphs``."""
+    """Metrics returned per call, a step hook (Python a replay would skip), an
+    optimizer class outside torch.optim and AdamW's single-tensor step (``foreach=False``:
+    its graph reads the lr as a number, also where the step count is on the device, as on
+    CUDA) each get one CollageWarning naming why, and the step runs compiled every time:
+    the same weights as without ``cudagraphs``."""
     start, grads = drifting_stream([(16, 8), (8,)], 6)
     options = {"metrics": True} if case == "metrics" else {}
+    if case == "single-tensor":
+        options = {"foreach": False, "capturable": True}
     optimizer = _OwnAdamW if case == "not torch.optim" else torch.optim.AdamW
     calls = []
 
@@ -166,7 +177,13 @@ def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
         )
     named = [str(w.message) for w in rec if "not replayed" in str(w.message)]
     assert len(named) == 1, named
-    assert {"metrics": "metrics", "hook": "hooks", "not torch.optim": "_OwnAdamW"}[case] in named[0]
+    expected_why = {
+        "metrics": "metrics",
+        "hook": "hooks",
+        "not torch.optim": "_OwnAdamW",
+        "single-tensor": "['lr'] as a number",
+    }
+    assert expected_why[case] in named[0], named
     assert opt.step.whole_step.replays == 0
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     if case == "hook":
