@@ -3,7 +3,7 @@
     python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
                               [--variants fused light plus exact cudagraphs eager others]
                               [--shapes same|gpt|llama --count 300]
-                              [--threads N] [--clock wall|cpu] [--rounds 15]
+                              [--threads N] [--clock wall|cpu] [--rounds 15] [--jobs N]
                               [--json PATH] [--plot PATH]
 
 One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``)
@@ -30,6 +30,13 @@ the floor), the bandwidth that implies against the copy bandwidth measured in th
 persistent bytes/param (measured from the tensors), peak memory during a step, cold compile
 time (a fresh Inductor cache directory per run) and the kernels / parallel loop nests read
 from the generated code.
+
+Compiles: with ``--jobs N`` > 1 (on CUDA the default is up to 8), each compiled variant is
+first compiled cold in a process of its own, N at a time, into the run's cache; the table's
+compile time is that process's, and this process then compiles each from the cache.  A
+cold compile is mostly one Python thread, so at ``--size gpu`` (seven compiled variants of
+144 tensors, about a minute each on an H100 host) one after another did not finish in 5
+minutes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -78,6 +86,7 @@ class Variant:
     loops: int | None = None
     samples: list[float] = dataclasses.field(default_factory=list)
     peak_bytes: int | None = None
+    compile_here_s: float | None = None  # compiled cold elsewhere: this process's compile
 
 
 def make_params(
@@ -140,17 +149,79 @@ class EagerCollageAdamW:
 
 
 FUSED32 = "fp32 fused (16,32)"
+MASTER = "fp32 master (16,32)"
 OPTIONAL = ("fused", "light", "plus", "exact", "cudagraphs", "eager", "others")
 
 
 def build_variants(
-    shapes: list[tuple[int, ...]], device: str, foreach: bool, only: tuple[str, ...] = OPTIONAL
+    shapes: list[tuple[int, ...]],
+    device: str,
+    foreach: bool,
+    only: tuple[str, ...] = OPTIONAL,
+    keep: str | None = None,
 ) -> list[Variant]:
     """fp32 master and plain bf16 (the references of every ratio), then those of
-    :data:`OPTIONAL` named in ``only``."""
-    variants = []
+    :data:`OPTIONAL` named in ``only``; ``keep``: only the variant of that name (a
+    compile worker builds nothing else: at ``--size gpu`` each variant's tensors are GBs)."""
+    factories = _factories(shapes, device, foreach, only)
+    if "cudagraphs" in only and device != "cuda" and keep is None:
+        print("skipped: cudagraphs rows (CUDA graphs capture CUDA work only)", file=sys.stderr)
+    if keep is not None:
+        return factories[keep]()
+    return [v for make in factories.values() for v in make()]
 
-    # (16, 32): fp32 master weights and state; the bf16 model copy written every step
+
+def _factories(
+    shapes: list[tuple[int, ...]], device: str, foreach: bool, only: tuple[str, ...]
+) -> dict[str, Callable[[], list[Variant]]]:
+    """Each variant's name (a group's, for ``others``) and what builds it, in table order."""
+
+    def stock(name: str, backend: Any, floor: int, mode: str | None = None) -> list[Variant]:
+        ps = make_params(shapes, device, torch.bfloat16)
+        opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=foreach)
+
+        def tensors() -> list[torch.Tensor]:
+            los = [collage_compile.components(p)[1] for p in ps]
+            los += [collage_compile.components(t)[1] for t in _state_tensors(opt)]
+            return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
+
+        return [Variant(name, torch.compile(opt.step, backend=backend, mode=mode), tensors, floor)]
+
+    out: dict[str, Callable[[], list[Variant]]] = {
+        MASTER: lambda: [_master(shapes, device, foreach)],
+        "plain bf16": lambda: stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]),
+    }
+    if "fused" in only:
+        out[FUSED32] = lambda: [_fused32(shapes, device)]
+        out["bf16 fused"] = lambda: [_fused16(shapes, device)]
+    for mode in ("light", "plus", "exact"):
+        if mode in only:
+            out[f"collage {mode}"] = functools.partial(
+                lambda m: stock(
+                    f"collage {m}", collage_compile.make_backend(mode=m), FLOOR_BYTES[m]
+                ),
+                mode,
+            )
+    if "cudagraphs" in only and device == "cuda":
+        # Inductor's own option for plain bf16; the whole-step replay for collage
+        out["plain bf16 cudagraphs"] = lambda: stock(
+            "plain bf16 cudagraphs", "inductor", FLOOR_BYTES["bf16"], "reduce-overhead"
+        )
+        for mode in ("light", "plus"):
+            if mode in only:
+                name = f"collage {mode} cudagraphs"
+                out[name] = functools.partial(
+                    lambda n, m: [_replayed(n, m, shapes, device)], name, mode
+                )
+    if "eager" in only:
+        out["eager Collage (ref)"] = lambda: [_eager(shapes, device)]
+    if "others" in only:
+        out["others"] = lambda: _third_party(shapes, device, foreach)
+    return out
+
+
+def _master(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> Variant:
+    """(16, 32): fp32 master weights and state; the bf16 model copy written every step."""
     master = make_params(shapes, device, torch.float32)
     model = [p.detach().to(torch.bfloat16) for p in master]
     opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=foreach)
@@ -160,49 +231,17 @@ def build_variants(
         with torch.no_grad():
             torch._foreach_copy_(model, master)
 
-    variants.append(
-        Variant(
-            "fp32 master (16,32)",
-            torch.compile(step32, backend="inductor"),
-            lambda: [*master, *model, *_state_tensors(opt32)],
-            FLOOR_BYTES["fp32"],
-        )
+    return Variant(
+        MASTER,
+        torch.compile(step32, backend="inductor"),
+        lambda: [*master, *model, *_state_tensors(opt32)],
+        FLOOR_BYTES["fp32"],
     )
 
-    def stock(name: str, backend: Any, floor: int, mode: str | None = None) -> Variant:
-        ps = make_params(shapes, device, torch.bfloat16)
-        opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=foreach)
 
-        def tensors() -> list[torch.Tensor]:
-            los = [collage_compile.components(p)[1] for p in ps]
-            los += [collage_compile.components(t)[1] for t in _state_tensors(opt)]
-            return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
-
-        return Variant(name, torch.compile(opt.step, backend=backend, mode=mode), tensors, floor)
-
-    variants.append(stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]))
-    if "fused" in only:
-        variants += _fused(shapes, device)
-    for mode in ("light", "plus", "exact"):
-        if mode in only:
-            backend = collage_compile.make_backend(mode=mode)
-            variants.append(stock(f"collage {mode}", backend, FLOOR_BYTES[mode]))
-    if "cudagraphs" in only and device != "cuda":
-        print("skipped: cudagraphs rows (CUDA graphs capture CUDA work only)", file=sys.stderr)
-    elif "cudagraphs" in only:
-        # Inductor's own option for plain bf16; the same through the backend for collage
-        variants.append(
-            stock("plain bf16 cudagraphs", "inductor", FLOOR_BYTES["bf16"], "reduce-overhead")
-        )
-        for mode in ("light", "plus"):
-            if mode in only:
-                variants.append(_replayed(f"collage {mode} cudagraphs", mode, shapes, device))
-    if "eager" in only:
-        ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
-        variants.append(Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False))
-    if "others" in only:
-        variants += _third_party(shapes, device, foreach)
-    return variants
+def _eager(shapes: list[tuple[int, ...]], device: str) -> Variant:
+    ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
+    return Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False)
 
 
 def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) -> Variant:
@@ -218,9 +257,9 @@ def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) 
     return Variant(name, opt.step, tensors, FLOOR_BYTES[mode])
 
 
-def _fused(shapes: list[tuple[int, ...]], device: str) -> list[Variant]:
-    """torch's ``AdamW(fused=True)``, eager as users run it: on fp32 master weights (with
-    the bf16 model copy written after it) and on bf16 weights (plain low precision)."""
+def _fused32(shapes: list[tuple[int, ...]], device: str) -> Variant:
+    """torch's ``AdamW(fused=True)``, eager as users run it, on fp32 master weights (with
+    the bf16 model copy written after it)."""
     master = make_params(shapes, device, torch.float32)
     model = [p.detach().to(torch.bfloat16) for p in master]
     opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=True)
@@ -230,24 +269,26 @@ def _fused(shapes: list[tuple[int, ...]], device: str) -> list[Variant]:
         with torch.no_grad():
             torch._foreach_copy_(model, master)
 
+    return Variant(
+        FUSED32,
+        step32,
+        lambda: [*master, *model, *_state_tensors(opt32)],
+        FLOOR_BYTES["fp32"],
+        compiled=False,
+    )
+
+
+def _fused16(shapes: list[tuple[int, ...]], device: str) -> Variant:
+    """torch's ``AdamW(fused=True)`` on bf16 weights (plain low precision)."""
     ps = make_params(shapes, device, torch.bfloat16)
     opt16 = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
-    return [
-        Variant(
-            FUSED32,
-            step32,
-            lambda: [*master, *model, *_state_tensors(opt32)],
-            FLOOR_BYTES["fp32"],
-            compiled=False,
-        ),
-        Variant(
-            "bf16 fused",
-            opt16.step,
-            lambda: [*ps, *_state_tensors(opt16)],
-            FLOOR_BYTES["bf16"],
-            compiled=False,
-        ),
-    ]
+    return Variant(
+        "bf16 fused",
+        opt16.step,
+        lambda: [*ps, *_state_tensors(opt16)],
+        FLOOR_BYTES["bf16"],
+        compiled=False,
+    )
 
 
 def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
@@ -324,6 +365,60 @@ def compile_variant(v: Variant, device: str) -> None:
         v.compile_s = time.perf_counter() - t0
 
 
+COLD_KEYS = ("compile_s", "kernels", "loops")
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    """Processes compiling at once: ``--jobs``, else on CUDA up to 8 (half the host's cores;
+    a cold compile is mostly one Python thread, and ``--size gpu`` compiles seven
+    variants), on a CPU 1 (the timed kernels use the cores)."""
+    if args.jobs:
+        return args.jobs
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) if args.device == "cuda" else 1
+
+
+def _cold_compiles(args: argparse.Namespace, names: list[str], jobs: int) -> dict[str, Any]:
+    """With ``jobs`` > 1: each variant named compiled cold in a process of its own,
+    ``jobs`` at a time, into this run's fresh Inductor cache (inherited), so that this
+    process then compiles each from the cache.  Returns, per name, the worker's
+    :data:`COLD_KEYS`; nothing with ``jobs`` = 1 (each compiles cold here)."""
+    if jobs <= 1 or not names:
+        return {}
+    import concurrent.futures
+    import subprocess
+
+    base = [sys.executable, "-m", "benchmarks.step", "--device", args.device]
+    base += ["--shapes", args.shapes, "--count", str(args.count)] if args.shapes else []
+    base += ["--size", args.size, "--variants", *args.variants]
+    base += ["--foreach" if args.foreach else "--no-foreach", "--threads", str(args.threads)]
+
+    def one(name: str) -> dict[str, Any]:
+        proc = subprocess.run([*base, "--compile-only", name], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"compiling {name} in its own process failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        out = dict(zip(names, pool.map(one, names)))
+    print(
+        f"compiled {len(names)} variants cold, {jobs} processes at a time: "
+        f"{time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return out
+
+
+def _compile_only(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """A compile worker (``--compile-only NAME``): builds that variant alone and compiles it."""
+    (v,) = build_variants(
+        shapes, args.device, args.foreach, tuple(args.variants), args.compile_only
+    )
+    compile_variant(v, args.device)
+    return {k: getattr(v, k) for k in COLD_KEYS}
+
+
 def peak_during_step(v: Variant, device: str) -> int | None:
     """Peak bytes allocated during one step, persistent tensors included.
 
@@ -368,15 +463,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shapes = layer_shapes(*SIZES[args.size])
     n = sum(torch.Size(s).numel() for s in shapes)
     _warm_up_inductor(args.device)
+    if args.compile_only:
+        return _compile_only(args, shapes)
     variants = build_variants(shapes, args.device, args.foreach, tuple(args.variants))
+    jobs = _jobs(args)
+    cold = _cold_compiles(args, [v.name for v in variants if v.compiled], jobs)
     for v in variants:
         compile_variant(v, args.device)
+        if v.name in cold:  # compiled cold in a process of its own; here from the cache
+            v.compile_here_s = v.compile_s
+            v.compile_s, v.kernels, v.loops = (cold[v.name][k] for k in COLD_KEYS)
         v.peak_bytes = peak_during_step(v, args.device)
         v.step()  # a replayed step is captured at its third call: before the timing
         whole = getattr(v.step, "whole_step", None)
         if whole is not None and whole.plan is None:
             print(f"{v.name}: not replayed ({whole.refused})", file=sys.stderr)
-        print(f"compiled {v.name}: {v.compile_s or 0:.1f} s", file=sys.stderr, flush=True)
+        here = f" (here, from the cache: {v.compile_here_s:.1f} s)" if v.name in cold else ""
+        print(f"compiled {v.name}: {v.compile_s or 0:.1f} s{here}", file=sys.stderr, flush=True)
     copy_fn, copy_bytes = copy_bandwidth_step(n, args.device)
     copy_fn()
     copy_samples: list[float] = []
@@ -419,6 +522,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "persistent_bytes_per_param": persistent / n,
                 "peak_MB": v.peak_bytes / 1e6 if v.peak_bytes is not None else None,
                 "compile_s": v.compile_s,
+                "compile_here_s": v.compile_here_s,
                 "kernels": v.kernels,
                 "loops": v.loops,
             }
@@ -433,6 +537,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tensors": len(shapes),
         "foreach": args.foreach,
         "rounds": args.rounds,
+        "compile": (
+            f"cold, each variant in a process of its own, {jobs} at a time"
+            if cold
+            else "cold, one variant after another in this process"
+        ),
         "steps_per_sample": args.steps,
         "clock": "thread CPU time" if args.clock == "cpu" else "wall",
         "copy_GBps": copy_gbs,
@@ -461,7 +570,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"foreach={res['foreach']}, {res['device']} ({res['machine']}), torch {res['torch']}, "
         f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "
         f"{res['steps_per_sample']} steps ({res['clock']}); copy bandwidth "
-        f"{res['copy_GBps']:.1f} GB/s",
+        f"{res['copy_GBps']:.1f} GB/s"
+        + ("; compile s: " + res["compile"] if "own" in res.get("compile", "") else ""),
         f"{'variant':<24} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
         f"{'vs fused32':>10} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
@@ -525,6 +635,14 @@ def main() -> None:
         default="wall",
         help="wall time, or (with --threads 1) the thread's CPU time, robust to other load",
     )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="compile the variants cold in this many processes at once, then here from their "
+        "cache (0: up to 8 on CUDA, 1 on a CPU)",
+    )
+    ap.add_argument("--compile-only", metavar="VARIANT", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a bar chart (matplotlib)")
     args = ap.parse_args()
@@ -533,6 +651,9 @@ def main() -> None:
     # import, where it would move the cache of the process that imports this module).
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="collage-bench-"))
     res = run(args)
+    if args.compile_only:  # one line for the process that started this one
+        print(json.dumps(res))
+        return
     print(format_table(res))
     if args.json:
         with open(args.json, "w") as fh:

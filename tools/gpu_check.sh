@@ -24,7 +24,8 @@
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
 #              captured variants included (140 s)
 #   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
-#              compiles 60-70 s there, plain Inductor 30 s) (300 s)
+#              compiles 60-70 s there, plain Inductor 30 s, one after another; now each
+#              variant compiles cold in a process of its own, 8 at a time) (300 s)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
