@@ -57,6 +57,8 @@ recording: list[tuple[Any, tuple[Any, ...], list[Any]]] | None = None
 #: capture would hold this step's value), and nothing may compile or create a pair
 capturing = False
 _compiles = 0
+#: steps in a row that ran compiled after one was recorded, before the user is told
+MISSED = 20
 
 _GRAD = operator.attrgetter("grad")
 
@@ -99,6 +101,7 @@ class WholeStep:
         self.replays = 0
         self.given_way: list[str] = []  # why a recorded step ran compiled (the first 100)
         self.capture_error: BaseException | None = None  # a failed capture, traceback kept
+        self.missed = 0  # calls since the last replay, once a step was recorded
         if not type(optimizer).__module__.startswith("torch.optim."):
             self._refuse(f"{type(optimizer).__name__} is not one of torch.optim's optimizers")
 
@@ -109,20 +112,44 @@ class WholeStep:
             if why is None and not plan.inside_a_capture():
                 plan.run()
                 self.replays += 1
+                self.missed = 0
                 return None
             log.debug("collage: step run as compiled, not replayed: %s", why)
             if why is not None and len(self.given_way) < 100:
                 self.given_way.append(why)
             self.plan = None
+            self._missed(why)
         if args or kwargs or self.refused is not None:
             return self.compiled(*args, **kwargs)
         if _hooks(self.optimizer):
             self._refuse("it has step hooks (register_step_pre_hook / post_hook)")
             return self.compiled()
         pending, self.pending = self.pending, None
-        if pending is not None and pending.stale() is None and not pending.inside_a_capture():
-            return self._capture(pending)
+        if pending is not None:
+            why = pending.stale()
+            if why is None and not pending.inside_a_capture():
+                return self._capture(pending)
+            self._missed(why)
         return self._record()
+
+    def _missed(self, why: str | None) -> None:
+        """A recorded step that ran compiled: named once where that keeps happening (a
+        step whose gradients, parameters or settings change every call is never replayed,
+        and a user who asked for the replay would not know)."""
+        self.missed += 1
+        if self.missed != MISSED or why is None:
+            return
+        from collage_compile.diagnostics import warn_once
+
+        name = type(self.optimizer).__name__
+        warn_once(
+            ("replay-missed", name),
+            f"collage: {name}.step asked for a replay as one CUDA graph (compile_optimizer("
+            f"cudagraphs=True)), but the last {MISSED} steps ran compiled, without capture: "
+            f"each differed from the one recorded before it ({why}).  They stay "
+            "compensated; only the host work of a replay is lost (docs/speed.md).",
+            stacklevel=4,
+        )
 
     def _record(self) -> Any:
         """A call of the compiled step, recorded; the plan of its replay if it compiled
@@ -183,6 +210,7 @@ class WholeStep:
             return None
         graph.replay()
         self.plan = plan
+        self.missed = 0
         return None
 
     def _refuse(self, why: str) -> None:

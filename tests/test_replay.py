@@ -142,6 +142,30 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
     assert whole.replays >= 24 - 2 - 3 * len(whole.given_way), (whole.replays, reasons)
 
 
+def test_a_replay_that_keeps_giving_way_is_named_once():
+    """A loop where every step differs from the one before it (here one parameter gets a
+    gradient every other step) never replays: after ``replay.MISSED`` such steps one
+    CollageWarning says so and why, and every step is the compiled one, bit for bit."""
+    from collage_compile import replay
+
+    steps = replay.MISSED + 6
+    start, grads = drifting_stream([(16, 8), (8,)], steps)
+    events = {i: _no_grad for i in range(1, steps, 2)}
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
+    named = [str(w.message) for w in rec if f"last {replay.MISSED} steps ran compiled" in str(w)]
+    assert len(named) == 1 and "gradient appeared or went" in named[0], named
+    (compiled, _), (replayed, opt) = runs[False], runs[True]
+    assert opt.step.whole_step.replays == 0
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+
+
 class _OwnAdamW(torch.optim.AdamW):
     """A user's subclass: its step may keep Python state a replay would not update."""
 
