@@ -39,6 +39,7 @@ import itertools
 import logging
 import operator
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -63,15 +64,15 @@ MISSED = 20
 _GRAD = operator.attrgetter("grad")
 
 
-def _spec(t: Any) -> Any:
-    """A DTensor's sharding (read only where the recorded step's gradients were DTensors)."""
-    return getattr(t, "_spec", None)
-
-
 _IS_NONE = functools.partial(operator.is_, None)
 # Dynamo's name of a value under an optimizer's param_groups: group, keys, ``.grad``
 _SOURCE = re.compile(r"\.param_groups\[(\d+)\]((?:\[(?:'[^']*'|\d+)\])+)(\.grad)?$")
 _KEY = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+
+
+def _spec(t: Any) -> Any:
+    """A DTensor's sharding (read only where the recorded step's gradients were DTensors)."""
+    return getattr(t, "_spec", None)
 
 
 def compiling() -> None:
@@ -100,8 +101,10 @@ class WholeStep:
         self.refused: str | None = None
         self.replays = 0
         self.given_way: list[str] = []  # why a recorded step ran compiled (the first 100)
-        self.capture_error: BaseException | None = None  # a failed capture, traceback kept
-        self.missed = 0  # calls since the last replay, once a step was recorded
+        # a failed capture's traceback, as text (the exception would keep the capture's
+        # frames, its graph and memory pool alive)
+        self.capture_error: str | None = None
+        self.missed = 0  # steps in a row that differed from the one recorded before them
         if not type(optimizer).__module__.startswith("torch.optim."):
             self._refuse(f"{type(optimizer).__name__} is not one of torch.optim's optimizers")
 
@@ -136,8 +139,10 @@ class WholeStep:
         """A recorded step that ran compiled: named once where that keeps happening (a
         step whose gradients, parameters or settings change every call is never replayed,
         and a user who asked for the replay would not know)."""
+        if why is None:  # not a difference (a capture of the caller's own in progress)
+            return
         self.missed += 1
-        if self.missed != MISSED or why is None:
+        if self.missed < MISSED:
             return
         from collage_compile.diagnostics import warn_once
 
@@ -197,7 +202,7 @@ class WholeStep:
         if failed is not None:  # nothing ran on the device: the step runs as compiled
             log.debug("collage: capture of the whole step failed", exc_info=failed)
             if _compiles == before:  # else Dynamo had to compile: recorded again later
-                self.capture_error = failed
+                self.capture_error = "".join(traceback.format_exception(failed))
                 self._refuse(f"its capture failed ({type(failed).__name__}: {str(failed)[:200]})")
             return self.compiled()
         try:
@@ -343,16 +348,19 @@ class _Plan:
         # where each gradient input sits among the parameters (stale() reads them all)
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
-        # FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
-        # copy); a new one must be sharded as the captured one was
+        self._grad_shards()
+        self.grads_now: list[Any] = []
+        self._state_columns()
+        self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]
+
+    def _grad_shards(self) -> None:
+        """FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
+        copy), and a new one must be sharded as the captured one was."""
         dtensors = list(map(_compat.is_dtensor, self.static_grads))
         if any(dtensors) and not all(dtensors):
             raise _Refused("its gradients are DTensors and plain tensors at once")
         self.grad_specs = list(map(_spec, self.static_grads)) if any(dtensors) else []
         self.static_locals = list(map(_compat.local_tensor, self.static_grads))
-        self.grads_now: list[Any] = []
-        self._state_columns()
-        self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]
 
     def _inputs(self, wrapper: Any, args: tuple[Any, ...], los: list[Any]) -> list[Any]:
         """A graph's inputs as a replay passes them, each one classified: a float the
@@ -440,9 +448,7 @@ class _Plan:
         grads = self.grads_now = list(map(_GRAD, params))
         if list(map(_IS_NONE, grads)) != self.none:
             return "a parameter's gradient appeared or went"
-        if self.grad_specs and not all(
-            map(operator.eq, map(_spec, map(grads.__getitem__, self.grad_index)), self.grad_specs)
-        ):
+        if self.grad_specs and self._sharded_differently(grads):
             return "a gradient is sharded differently"
         if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
             return "a hyperparameter changed"
@@ -454,6 +460,14 @@ class _Plan:
             if why is not None:
                 return why
         return None
+
+    def _sharded_differently(self, grads: list[Any]) -> bool:
+        """Whether a gradient's sharding differs from the captured one's (FSDP2 keeps one
+        spec object per parameter: identity first, then equality)."""
+        specs = list(map(_spec, map(grads.__getitem__, self.grad_index)))
+        return not all(map(operator.is_, specs, self.grad_specs)) and not all(
+            map(operator.eq, specs, self.grad_specs)
+        )
 
     def _state_changed(self) -> str | None:
         """``load_state_dict`` replaces ``optimizer.state``; a value replaced by hand shows
@@ -489,6 +503,7 @@ class _Plan:
                 if self.grad_specs:  # DTensors: their shards (a Python call each)
                     now = list(map(_compat.local_tensor, now))
                 torch._foreach_copy_(self.static_locals, now)
+        self.grads_now = []  # not kept to the next step (a gradient set at peak memory)
 
     def run(self) -> None:
         self.refresh()

@@ -93,6 +93,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
             assert row["compile_here_s"] is not None, name  # and compiled again here
         else:
             assert row["compile_s"] is None and row["kernels"] is None, name
+    assert res["jobs"] == 2
     assert res["compile"] == "cold, each variant in a process of its own, 2 at a time"
     # the compiled steps' kernels come from Inductor's generated code; on this small list
     # plain Inductor and both collage modes fuse the step into one kernel

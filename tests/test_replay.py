@@ -10,7 +10,6 @@ CUDA test at the end runs on a GPU.
 from __future__ import annotations
 
 import copy
-import traceback
 import warnings
 
 import pytest
@@ -111,13 +110,18 @@ def _no_grad(ps, opt):
     ps[1].grad = None
 
 
-def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ():
+def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ(monkeypatch):
     """What Dynamo would recompile for (a hyperparameter set by hand, a gradient that is
     None), what replaces the optimizer's state (``load_state_dict``) and a write to a
     weight outside the step (which the compiled step's wrapper names and answers by
     restarting that weight's lo) each make the next step run compiled, then be recorded
     and replayed again: the weights are those of the compiled step under the same events,
-    bit for bit, and the outside write is named in both runs."""
+    bit for bit, and the outside write is named in both runs.  Each event costs at most
+    one step that differs from the one recorded before it, so a replay that keeps giving
+    way is not named even at 2 such steps in a row (``replay.MISSED``)."""
+    from collage_compile import replay
+
+    monkeypatch.setattr(replay, "MISSED", 2)
     start, grads = drifting_stream([(16, 8), (8,)], 24)
     runs = {}
     for whole in (False, True):
@@ -129,7 +133,7 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
             runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
         named = [str(w.message) for w in rec if issubclass(w.category, Warning)]
         assert any("outside" in m for m in named), named
-        assert not any("not replayed" in m for m in named), named
+        assert not any("not replayed" in m or "ran compiled" in m for m in named), named
     (compiled, _), (replayed, opt) = runs[False], runs[True]
     for c, r in zip(compiled, replayed):
         assert torch.equal(c, r)
@@ -240,8 +244,7 @@ def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_f
     torch._dynamo.reset()
     replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
     whole = opt.step.whole_step
-    failed = whole.capture_error
-    why = "".join(traceback.format_exception(failed)) if failed else whole.refused
+    why = whole.capture_error or whole.refused  # the capture's traceback, if it failed
     assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None, why
     assert whole.replays == STEPS - 3  # compile, record, capture (replayed once)
     for c, r in zip(compiled, replayed):
