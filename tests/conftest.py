@@ -17,31 +17,6 @@ from collage_compile import _compat, metrics, report, state, watch
 torch.set_num_threads(2)
 
 
-# The slowest tests (each 40-150 s in a fresh clone under two workers, 2026-11-26), started
-# first: with pytest-xdist's load scheduling, a long test taken last keeps one worker busy
-# while the other has nothing left to run.
-SLOW_FIRST = (
-    "test_distributed.py::test_dcp_resume",
-    "test_benchmarks.py::test_step_benchmark_reports",
-    "test_triton.py::test_pairs_keep_combo",
-    "test_train_step.py::test_a_compiled_train_step",
-    "test_distributed.py",
-    "test_torchtitan.py",
-    "test_demo.py::test_demo_writes",
-    "test_docs.py::test_quoted_output",
-    "test_checkpoint.py::test_resume_in_a_fresh_process",
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {prefix: i for i, prefix in enumerate(SLOW_FIRST)}
-
-    def first(item):
-        return next((i for p, i in rank.items() if p in item.nodeid), len(SLOW_FIRST))
-
-    items.sort(key=first)  # stable: the rest keep their order
-
-
 @pytest.fixture(autouse=True)
 def _fresh_state():
     _compat.reset_dynamo()
