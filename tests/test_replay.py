@@ -168,6 +168,12 @@ def test_a_replay_that_keeps_giving_way_is_named_once():
     for c, r in zip(compiled, replayed):
         assert torch.equal(c, r)
         assert torch.equal(mcf_value(c), mcf_value(r))
+    # and compensated: float64 tracked far closer than plain bf16 on the same stream
+    ref, _ = _train(start, grads, torch.float64, events, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, events, compiled=False)
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    assert err_plain > 10 * err, (err_plain, err)
 
 
 class _OwnAdamW(torch.optim.AdamW):
