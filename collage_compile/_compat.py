@@ -465,6 +465,54 @@ def share_item_symbol(old: Any, new: Any) -> bool:
     return True
 
 
+def float_guards(fake: Any) -> list[Any]:
+    """The guards the compile holds on the float ``fake.item()`` returns (a scheduled
+    hyperparameter that a graph reads from a tensor input, :func:`share_item_symbol`), as
+    sympy expressions: Dynamo's (SGD's ``if momentum != 0``), those the tensorification
+    adds where it specialized a read it could not turn into tensor ops (``guard_scalar``,
+    ``torch/fx/passes/_tensorify_python_scalars.py``), and a replacement of the symbol by a
+    value as ``Eq``.  Dynamo checks them before each call; a replay runs no Dynamo, so it
+    checks them itself (:func:`guard_function`).  ``ShapeEnv.guards`` and
+    ``.replacements``, checked on 2.11 and 2.13."""
+    import sympy
+
+    memo = getattr(fake, "item_memo", None)
+    env = getattr(getattr(memo, "node", None), "shape_env", None)
+    symbols = free_symbols(memo)
+    if env is None or not symbols:
+        return []
+    found = [g.expr for g in env.guards if symbols & g.expr.free_symbols]
+    found += [sympy.Eq(s, env.replacements[s]) for s in symbols if s in env.replacements]
+    return found
+
+
+def item_symbol(fake: Any) -> Any:
+    """The symbol of the float ``fake.item()`` returns (None if it is not one symbol)."""
+    memo = getattr(fake, "item_memo", None)
+    return memo.node.expr if is_symbol(memo) else None
+
+
+def guard_function(expr: Any) -> tuple[Callable[..., bool], list[Any]]:
+    """A guard of :func:`float_guards` as a Python function of its symbols' values, and
+    those symbols in argument order: printed by torch's ``PythonPrinter``, as Dynamo prints
+    its guards (floats exact, ``torch/utils/_sympy/printers.py``; 2.11 and 2.13)."""
+    import math
+
+    from torch.utils._sympy.printers import PythonPrinter
+
+    symbols = sorted(expr.free_symbols, key=str)
+    names = [f"_{i}" for i in range(len(symbols))]
+    code = PythonPrinter().doprint(expr.xreplace(dict(zip(symbols, map(_sympy_symbol, names)))))
+    fn = eval(f"lambda {', '.join(names)}: bool({code})", {"math": math})
+    return fn, symbols
+
+
+def _sympy_symbol(name: str) -> Any:
+    import sympy
+
+    return sympy.Symbol(name, real=True)
+
+
 def mark_new_input(node: fx.Node) -> None:
     """A placeholder we add has no Dynamo source (AOTAutograd reads ``_dynamo_source``)."""
     node._dynamo_source = None  # type: ignore[attr-defined]

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
-from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr
+from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
 
@@ -309,7 +309,7 @@ def _compile_rewritten(
     inputs = list(example_inputs)
     for i, fake in scalars:
         inputs[i] = fake
-    host = _host_reads(gm) if config.cudagraphs == "step" else None
+    host = rewrite.host_reads(gm) if config.cudagraphs == "step" else None
     compiled = _compat.compile_with_inductor(
         gm, [*inputs, *lo_examples], _inductor_patches(config), config.inductor_cudagraphs
     )
@@ -319,26 +319,25 @@ def _compile_rewritten(
         unchained,
         _graph_metrics(measured),
         readers,
-        scalars=[(i, torch.zeros((), dtype=torch.float64, device=f.device)) for i, f in scalars],
+        scalars=_static_scalars(scalars),
+        guards=_scalar_guards(scalars),
     )
     if host is not None:
         out.unused, out.cpu_attrs = host
     return out
 
 
-def _host_reads(gm: fx.GraphModule) -> tuple[frozenset[int], list[str]]:
-    """The inputs ``gm`` does not read, and the CPU tensors it holds as attributes (a
-    step count kept on the CPU): a capture of the whole step holds its CPU work at one
-    step's values, so :mod:`replay` refuses a CUDA step that reads one."""
-    unused = frozenset(
-        i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if not n.users
-    )
-    cpu = []
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = fetch_attr(gm, node.target)
-        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and node.users:
-            cpu.append(node.target)
-    return unused, cpu
+def _static_scalars(scalars: list[tuple[int, Any]]) -> list[tuple[int, torch.Tensor]]:
+    """A tensor of the graph's own for each float it reads from one (filled per call)."""
+    return [(i, torch.zeros((), dtype=torch.float64, device=f.device)) for i, f in scalars]
+
+
+def _scalar_guards(scalars: list[tuple[int, Any]]) -> tuple[dict[int, Any], list[Any]]:
+    """After the compile: the symbol of each float read from a tensor, and the guards the
+    compile holds on them (:func:`_compat.float_guards`), which a replay checks itself."""
+    symbols = {i: _compat.item_symbol(f) for i, f in scalars}
+    guards = {g: None for _, f in scalars for g in _compat.float_guards(f)}
+    return symbols, list(guards)
 
 
 def _compile_exact(
@@ -362,7 +361,7 @@ def _compile_exact(
             _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
         )
     c = exact.compile_exact(gm, info, sites, example_inputs, config, record)
-    return _LoInputs(
+    out = _LoInputs(
         c.fn,
         c.upgraded,
         c.left,
@@ -370,7 +369,12 @@ def _compile_exact(
         c.readers,
         exact=True,
         new_state=c.new_state,
+        scalars=_static_scalars(c.scalars),
+        guards=_scalar_guards(c.scalars),
     )
+    if c.host is not None:
+        out.unused, out.cpu_attrs = c.host
+    return out
 
 
 def _measure_only(
@@ -486,11 +490,15 @@ class _LoInputs:
         exact: bool = False,
         new_state: list[int] = (),  # type: ignore[assignment]
         scalars: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
+        guards: tuple[dict[int, Any], list[Any]] = ({}, []),
     ):
         self.compiled = compiled
         # floats the graph reads from a tensor of its own, which keeps its address
         # (rewrite.scalars_as_static_inputs): filled from Dynamo's input before each call
         self._scalars = list(scalars)
+        # their symbols (by input index) and what the compile guards on their values, which
+        # Dynamo checks before each call and a replay checks itself
+        self.scalar_symbols, self.guards = guards
         self.metrics = metrics
         # optimizers whose steps this graph ran: the watch checks them after each call
         self.ticks: list[int] = []

@@ -46,6 +46,8 @@ class Compiled:
     measured: list[tuple[Accumulator, Any]]  # metrics rows
     readers: list[Accumulator]  # weights read whole, their remainders inputs after
     new_state: list[int]  # outputs whose remainders the graph returns after its outputs
+    scalars: list[tuple[int, Any]]  # floats read from a tensor of its own: index, example
+    host: tuple[frozenset[int], list[str]] | None  # cudagraphs="step": rewrite.host_reads
 
 
 def compile_exact(
@@ -92,16 +94,22 @@ def compile_exact(
             rewrite.add_metrics_output(gm, measured)
     scalars.run(gm)
     step_size.run(gm, exact=True)
+    # a step captured whole reads each scheduled float from a tensor of its own
+    statics = rewrite.scalars_as_static_inputs(gm, fake_mode) if config.cudagraphs else []
     gm.graph.lint()
     gm.recompile()
     rem_examples = [_compat.example_value(a.lo_node) for a in with_rem]
+    inputs = list(example_inputs)
+    for i, fake in statics:
+        inputs[i] = fake
+    host = rewrite.host_reads(gm) if config.cudagraphs == "step" else None
     compiled = _compat.compile_with_inductor(
         gm,
-        [*example_inputs, *rem_examples],
+        [*inputs, *rem_examples],
         {**_compat.scalar_prologue_patch(), **_compat.no_input_asserts_patch()},
         config.inductor_cudagraphs,
     )
-    return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state)
+    return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state, statics, host)
 
 
 def _choose(

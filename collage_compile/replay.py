@@ -323,6 +323,8 @@ class _Plan:
         self.device = next(iter(devices))
         self.none = list(map(_IS_NONE, map(_GRAD, self.params)))
         self.scalars: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
+        # guards on those floats: (function, where each argument is, the guard)
+        self.guards: list[tuple[Callable[..., bool], list[tuple[Any, ...]], str]] = []
         self.grad_params: list[torch.Tensor] = []
         self.static_grads: list[torch.Tensor] = []
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
@@ -367,8 +369,6 @@ class _Plan:
         replay fills, a gradient it copies, a tensor held by ``param_groups``."""
         if wrapper.metrics is not None:
             raise _Refused("it measures metrics (metrics=True), returned per call")
-        if wrapper.exact:
-            raise _Refused("mode='exact' is not replayed yet")
         # state it creates, tensors passed in, writes whose pairs restart after each call
         if (
             wrapper.new_state
@@ -379,6 +379,7 @@ class _Plan:
             raise _Refused("a graph of its step does per-call work outside its kernels")
         groups = self.optimizer.param_groups
         statics = dict(wrapper._scalars)
+        paths: dict[Any, tuple[int, tuple[Any, ...]]] = {}  # a filled float's symbol: where
         inputs = list(args)
         if self.device.type == "cuda" and wrapper.cpu_attrs:
             raise _Refused(
@@ -398,6 +399,7 @@ class _Plan:
                     raise _Refused(f"it reads {what}, which is not a float of param_groups")
                 inputs[i] = statics[i]
                 self.scalars.append((statics[i], where[0], where[1]))
+                paths[wrapper.scalar_symbols.get(i)] = where[:2]
             elif isinstance(arg, torch.Tensor) and where is not None and where[2]:
                 param = _lookup(groups, *where[:2])
                 if param.grad is not arg:
@@ -419,8 +421,19 @@ class _Plan:
                     and t.device.type != "cuda"
                 ):
                     raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
+        self._guard_checks(wrapper, paths)
         inputs += los
         return inputs
+
+    def _guard_checks(self, wrapper: Any, paths: dict[Any, tuple[int, tuple[Any, ...]]]) -> None:
+        """What the graph's compile guards on the floats a replay fills (SGD's ``if
+        momentum != 0``, the lerp weight ``1 - beta1 < 0.5`` under a schedule that moves
+        beta1): checked before each replay, as Dynamo checks them before each call."""
+        for expr in wrapper.guards:
+            fn, symbols = _compat.guard_function(expr)
+            if not all(s in paths for s in symbols):
+                raise _Refused(f"its compile guards on {expr}, which a replay cannot check")
+            self.guards.append((fn, [paths[s] for s in symbols], str(expr)))
 
     def _state_columns(self) -> None:
         """The optimizer's state as it is: its dict, each parameter's, every value."""
@@ -452,6 +465,9 @@ class _Plan:
             return "a gradient is sharded differently"
         if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
             return "a hyperparameter changed"
+        for fn, where, text in self.guards:
+            if not fn(*(_lookup(groups, g, keys) for g, keys in where)):
+                return f"a scheduled hyperparameter fails a guard of its graph ({text})"
         why = self._state_changed()
         if why is not None:
             return why

@@ -33,6 +33,7 @@ from collage_compile.accumulators import (
     Site,
     Step,
     Write,
+    fetch_attr,
     flat_nodes,
     read_nodes,
     written_nodes,
@@ -521,9 +522,24 @@ def scalars_as_static_inputs(gm: fx.GraphModule, fake_mode: Any) -> list[tuple[i
     return out
 
 
+def host_reads(gm: fx.GraphModule) -> tuple[frozenset[int], list[str]]:
+    """The inputs ``gm`` does not read, and the CPU tensors it holds as attributes (a
+    step count kept on the CPU): a capture of the whole step holds its CPU work at one
+    step's values, so :mod:`replay` refuses a CUDA step that reads one."""
+    unused = frozenset(
+        i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if not n.users
+    )
+    cpu = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = fetch_attr(gm, node.target)
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and node.users:
+            cpu.append(node.target)
+    return unused, cpu
+
+
 def _hyperparameter_devices(node: fx.Node) -> set[Any] | None:
-    """The devices of the float64 tensors :func:`hyperparameter_f64` made of placeholder
-    ``node``'s value, if that is all the graph reads of it (else None)."""
+    """The devices of the tensors the graph makes of placeholder ``node``'s value, if it
+    reads that value only as tensors (:func:`_tensor_reads`), else None."""
     ex = _compat.example_value(node)
     if not (
         isinstance(ex, torch.Tensor)
@@ -533,16 +549,51 @@ def _hyperparameter_devices(node: fx.Node) -> set[Any] | None:
         and node.users
     ):
         return None
-    devices = set()
+    devices: set[Any] = set()
     for item in node.users:
-        if not item.users:
+        if not (item.op == "call_method" and item.target == "item"):
             return None
-        for use in item.users:
-            device = hyperparameter_device(use)
-            if device is None:
-                return None
+        if not _tensor_reads(item, devices):
+            return None
+    return devices or None
+
+
+_SCALAR_ARITHMETIC = frozenset(
+    {operator.neg, operator.add, operator.sub, operator.mul, operator.truediv}
+)
+# a tensor's arithmetic methods, the float their operand (Adamax's single-tensor step:
+# ``neg_bias_correction.div_(lr)``)
+_TENSOR_METHODS = frozenset({"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_"})
+
+
+def _tensor_reads(x: fx.Node, devices: set[Any]) -> bool:
+    """Whether every reader of symbolic float ``x`` reads it as a tensor, adding their
+    devices to ``devices``: :func:`hyperparameter_f64`'s ``zeros(device) + x`` (the MCF
+    chains' and ``passes.scalars``' tensors), or a positional operand of arithmetic with a
+    tensor (``lr / bias_correction1`` of a single-tensor step, ``t.div_(lr)``), which the
+    tensorification turns into tensor ops on the input; Python arithmetic on it is
+    followed, and left dead (read by nothing) it is erased before Inductor.  A float the tensorification
+    cannot turn into tensors is specialized and guarded (or the frame restarts with it a
+    constant): :func:`_compat.float_guards` checks that after the compile."""
+    for use in x.users:
+        device = hyperparameter_device(use)
+        if device is not None:
             devices.add(device)
-    return devices
+            continue
+        if use.op == "call_method" and use.target in _TENSOR_METHODS and not use.kwargs:
+            self_ex = _compat.example_value(use.args[0])
+            if use.args[1:] != (x,) or not isinstance(self_ex, torch.Tensor):
+                return False
+            devices.add(self_ex.device)
+            continue
+        if use.op != "call_function" or use.target not in _SCALAR_ARITHMETIC or use.kwargs:
+            return False
+        ex = _compat.example_value(use)
+        if isinstance(ex, torch.Tensor):
+            devices.add(ex.device)
+        elif not (isinstance(ex, torch.SymFloat) and _tensor_reads(use, devices)):
+            return False
+    return True
 
 
 def emit(

@@ -31,20 +31,21 @@ def _train(
     optimizer=torch.optim.AdamW,
     capturable=False,
     foreach=True,
+    schedule=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, i / 10)),
     **options,
 ):
     """Two param groups (decay on the matrix only) under a warmup from lr = 0, a new float
     lr per group every step, ``zero_grad()`` (set_to_none) and new gradient tensors every
     step, as a training loop makes them; ``events[i](ps, opt)`` runs before step ``i``.
-    ``options``: None for eager, else those of ``compile_optimizer``.  Returns the weights
-    and the optimizer."""
+    ``options``: None for eager, else those of ``compile_optimizer``; ``schedule(opt)``
+    the scheduler.  Returns the weights and the optimizer."""
     ps = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in start]
     groups = [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}]
     opt = optimizer(groups, lr=1e-3, weight_decay=0.1, foreach=foreach, capturable=capturable)
     if options.get("compiled", True):
         options.pop("compiled", None)
         collage_compile.compile_optimizer(opt, **options)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, i / 10))
+    sched = schedule(opt)
     for i, gs in enumerate(grads):
         opt.zero_grad()
         for p, gr in zip(ps, gs):
@@ -56,20 +57,35 @@ def _train(
     return ps, opt
 
 
-@pytest.mark.parametrize("capturable", [False, True], ids=["cpu-path", "cuda-path"])
-def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(capturable):
+# how the step is built: the optimizer's flags and compile_optimizer's options
+REPLAYED = {
+    "cpu-path": {},
+    # the step Dynamo compiles on CUDA (it sets the flag there): step counts in tensors
+    "cuda-path": {"capturable": True},
+    # the single-tensor step reads the lr as tensor arithmetic (lr / bias_correction1)
+    "single-tensor": {"capturable": True, "foreach": False},
+    # exact mode: the optimizer's own ops on fp32 values, the lr through passes.scalars
+    "exact": {"capturable": True, "mode": "exact"},
+}
+
+
+@pytest.mark.parametrize("case", list(REPLAYED))
+def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(case):
     """After one step that compiles and one that is recorded, every step is a replay
     (no Dynamo, no guard): the lr a scheduler sets per group reaches it, the new gradient
     tensors of each step are copied into the recorded ones, and the weights and their
-    pairs are those of the compiled step, bit for bit: 0.27 % from the float64 run, where
-    plain bf16 is 93 % off (``-s`` prints them).  ``capturable=True`` is the step Dynamo compiles on
-    CUDA (it sets the flag there): step counts and their powers in tensors."""
+    pairs (exact mode: remainders) are those of the compiled step, bit for bit: 0.27 %
+    from the float64 run, where plain bf16 is 93 % off (``-s`` prints them)."""
+    options = REPLAYED[case]
     start, grads = drifting_stream([(16, 8), (8,)], STEPS)
     ref, _ = _train(start, grads, torch.float64, compiled=False)
     plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
-    compiled, _ = _train(start, grads, torch.bfloat16, capturable=capturable)
+    compiled, _ = _train(start, grads, torch.bfloat16, **options)
     torch._dynamo.reset()
-    replayed, opt = _train(start, grads, torch.bfloat16, capturable=capturable, cudagraphs=True)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True, **options)
+    assert not [w for w in rec if issubclass(w.category, Warning)], [str(w.message) for w in rec]
     whole = opt.step.whole_step
     assert whole.refused is None
     assert whole.replays == STEPS - 2
@@ -78,7 +94,7 @@ def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(captu
         assert torch.equal(mcf_value(c), mcf_value(r))
     err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
     err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
-    print(f"replayed {err:.2%} from float64, plain bf16 {err_plain:.2%} ({capturable=})")
+    print(f"replayed {err:.2%} from float64, plain bf16 {err_plain:.2%} ({case})")
     assert err < 3e-3, err
     assert err_plain > 30 * err, (err_plain, err)
 
@@ -146,6 +162,48 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
     assert whole.replays >= 24 - 2 - 3 * len(whole.given_way), (whole.replays, reasons)
 
 
+def _one_cycle(opt):
+    # moves lr and beta1 every step (cycle_momentum), as users run it
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=100)
+
+
+def _beta1_low(ps, opt):
+    for group in opt.param_groups:
+        group["betas"] = (0.3, group["betas"][1])
+
+
+def test_a_replay_checks_what_the_compile_guards_on_a_scheduled_float():
+    """OneCycleLR moves beta1 every step, and the graph reads it from a tensor the replay
+    fills; its compile guards on it (Dynamo's lerp polyfill branches on the weight:
+    ``1 - beta1 < 0.5``).  A replay checks that guard as Dynamo would: beta1 set to 0.3
+    for one step fails it, that step runs compiled (Dynamo compiles the other branch),
+    and replays resume; the weights and pairs are the compiled step's under the same
+    events, bit for bit, and track float64 where plain bf16 does not."""
+    start, grads = drifting_stream([(16, 8), (8,)], 16)
+    events = {9: _beta1_low}
+    ref, _ = _train(start, grads, torch.float64, events, compiled=False, schedule=_one_cycle)
+    plain, _ = _train(start, grads, torch.bfloat16, events, compiled=False, schedule=_one_cycle)
+    compiled, _ = _train(start, grads, torch.bfloat16, events, schedule=_one_cycle)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        replayed, opt = _train(
+            start, grads, torch.bfloat16, events, schedule=_one_cycle, cudagraphs=True
+        )
+    assert not [w for w in rec if issubclass(w.category, Warning)], [str(w.message) for w in rec]
+    whole = opt.step.whole_step
+    assert whole.refused is None
+    assert any("fails a guard" in why for why in whole.given_way), whole.given_way
+    assert whole.replays >= 16 - 2 - 3, whole.replays
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    print(f"replayed {err:.2%} from float64, plain bf16 {err_plain:.2%}")
+    assert err_plain > 10 * err, (err_plain, err)
+
+
 def test_a_replay_that_keeps_giving_way_is_named_once():
     """A loop where every step differs from the one before it (here one parameter gets a
     gradient every other step) never replays: after ``replay.MISSED`` such steps one
@@ -182,18 +240,14 @@ class _OwnAdamW(torch.optim.AdamW):
 
 @pytest.mark.parametrize(
     "case",
-    ["metrics", "hook", "not torch.optim", "single-tensor"],
+    ["metrics", "hook", "not torch.optim"],
 )
 def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
-    """Metrics returned per call, a step hook (Python a replay would skip), an
-    optimizer class outside torch.optim and AdamW's single-tensor step (``foreach=False``:
-    its graph reads the lr as a number, also where the step count is on the device, as on
-    CUDA) each get one CollageWarning naming why, and the step runs compiled every time:
-    the same weights as without ``cudagraphs``."""
+    """Metrics returned per call, a step hook (Python a replay would skip) and an
+    optimizer class outside torch.optim each get one CollageWarning naming why, and the
+    step runs compiled every time: the same weights as without ``cudagraphs``."""
     start, grads = drifting_stream([(16, 8), (8,)], 6)
     options = {"metrics": True} if case == "metrics" else {}
-    if case == "single-tensor":
-        options = {"foreach": False, "capturable": True}
     optimizer = _OwnAdamW if case == "not torch.optim" else torch.optim.AdamW
     calls = []
 
@@ -215,7 +269,6 @@ def test_a_step_that_cannot_be_replayed_is_named_once_and_runs_compiled(case):
         "metrics": "metrics",
         "hook": "hooks",
         "not torch.optim": "_OwnAdamW",
-        "single-tensor": "['lr'] as a number",
     }
     assert expected_why[case] in named[0], named
     assert opt.step.whole_step.replays == 0
@@ -236,19 +289,22 @@ def test_an_optimizer_with_python_state_in_its_step_is_not_replayed():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_for_bit():
+@pytest.mark.parametrize("mode", ["light", "exact"])
+def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_for_bit(mode):
     """On a GPU the steady step is one CUDA graph launch: the profiled step launches no
     kernel of the optimizer from the host (only the lr fills and the gradient copy) and
     one graph; the weights are those of the uncaptured compiled step, bit for bit, under
-    a schedule from lr = 0 with new gradient tensors every step, and track float64."""
+    a schedule from lr = 0 with new gradient tensors every step, and track float64.
+    Exact mode reads the lr through ``passes.scalars``' float64 tensors, on the device
+    here, where the uncaptured step moved a CPU one (not yet run on a GPU)."""
     start, grads = drifting_stream([(64, 32), (32,), (32, 32)], STEPS)
     start = [t.cuda() for t in start]
     grads = [[g.cuda() for g in gs] for gs in grads]
     ref, _ = _train(start, grads, torch.float64, compiled=False)
     plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
-    compiled, _ = _train(start, grads, torch.bfloat16)
+    compiled, _ = _train(start, grads, torch.bfloat16, mode=mode)
     torch._dynamo.reset()
-    replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    replayed, opt = _train(start, grads, torch.bfloat16, mode=mode, cudagraphs=True)
     whole = opt.step.whole_step
     why = whole.capture_error or whole.refused  # the capture's traceback, if it failed
     assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None, why
