@@ -201,6 +201,27 @@ def _mark_auto_dynamic(code: Any, closure: Any, sources: Sequence[str]) -> list[
     return new
 
 
+def forget_float_specializations() -> None:
+    """Called after the backend compiled a graph: clear the floats torch's tensorification
+    marked for specialization (``TensorifyState``, ``torch/_dynamo/symbolic_convert.py``).
+
+    Why: where a float input is read by no tensor op of a graph (SGD's first step reads
+    ``momentum`` only in ``if momentum != 0``, its buffer not yet made), the tensorification
+    marks its symbol name (``zf77``) specialized and has Dynamo trace the frame again with
+    the float a constant.  The mark is a class attribute that only ``torch._dynamo.reset()``
+    or a restart for another reason clears, so it outlived that graph: every later compile
+    of the step took ``momentum`` as a constant too, and a schedule that moves it (SGD
+    under OneCycleLR) recompiled every step until the recompile limit, then ran eagerly,
+    in plain low precision.  With a warm cache the first graph skipped the tensorification
+    and it did not happen.  The mark has done its work once the graph it was raised for is
+    compiled (2.11 and 2.13 read it only while tracing, before the backend runs)."""
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:
+        return
+    TensorifyState.clear()
+
+
 def retrace_with_dynamic_floats(wanted: Callable[[dict[str, Any], tuple[Any, ...]], bool]) -> None:
     """Called by the backend as a compile begins: if the frame Dynamo is tracing took an item
     of an optimizer's param group as a constant (at ``path`` in ``group``: ``("lr",)``,

@@ -123,12 +123,13 @@ def compile_graph(
         watch.cudagraphs_on_cpu(shown)
     with watch.in_call(shown):
         compiled = _compile_graph(gm, example_inputs, config)
-    if config.every == 1 or not isinstance(compiled, _LoInputs) or compiled.metrics is None:
-        return compiled
-    quiet = dataclasses.replace(config, metrics=False, every=1)
-    with watch.in_call(shown):
-        quiet_compiled = _compile_graph(gm, example_inputs, quiet, record=False)
-    return _EveryK(compiled, quiet_compiled, config.every)
+    if config.every != 1 and isinstance(compiled, _LoInputs) and compiled.metrics is not None:
+        quiet = dataclasses.replace(config, metrics=False, every=1)
+        with watch.in_call(shown):
+            quiet_compiled = _compile_graph(gm, example_inputs, quiet, record=False)
+        compiled = _EveryK(compiled, quiet_compiled, config.every)
+    _compat.forget_float_specializations()
+    return compiled
 
 
 def _uncapturable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:

@@ -228,6 +228,38 @@ def test_the_float_tensorification_meets_only_float_inputs(make_opt, foreach, ca
     assert all(bare for _, _, bare in read), read
 
 
+def _sgd(params, foreach):
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=foreach)
+
+
+def test_a_cycled_momentum_stays_an_input_from_a_cold_start():
+    """OneCycleLR cycles SGD's momentum every step.  SGD's first step reads it only in
+    ``if momentum != 0`` (no buffer yet), so torch's float tensorification has that graph
+    traced again with momentum a constant, and its mark (``TensorifyState``) outlived the
+    graph: on a cold cache every later compile took momentum as a constant too, one
+    compile per value until the recompile limit, then eager steps in plain bf16 (named);
+    a warm cache skipped the tensorification and hid it.  The backend clears the mark
+    once a graph is compiled (``_compat.forget_float_specializations``).  Inductor's
+    caches are off here, as on a user's first run: two compiles (the first step's and
+    the steady one), no CollageWarning, and collage tracks float64."""
+    torch._dynamo.reset()
+    schedule = lambda o: S.OneCycleLR(o, max_lr=1e-3, total_steps=STEPS)
+    # torch's own config patches: monkeypatch.setattr on these modules broke every later
+    # compile in the same worker
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        err, plain_err, frames, _ = _errors(_sgd, schedule, foreach=True)
+    print(
+        f"SGD, OneCycleLR (momentum cycled), cold: compiles {frames}  collage {err:.2e}  "
+        f"plain {plain_err:.2f}"
+    )
+    assert frames == 2
+    assert err <= 0.03
+    assert plain_err >= max(0.5, 10 * err)
+
+
 def test_an_ema_decay_schedule_stays_dynamic():
     """An EMA of the weights whose decay warms up (``min(0.999, 1 - 0.5 / (1 + k))``, a
     Python float passed each step) tracks a float64 EMA of the same weights, compiled at most
