@@ -278,7 +278,9 @@ def _compile_rewritten(
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
-        if info.accumulators and any(passes.finalize(gm).values()):
+        # a changing float stays an input here too (an fp32 optimizer under a schedule:
+        # one compile per lr filled the recompile limit its bf16 twin shares, a step's code)
+        if any(passes.finalize(gm).values()):
             gm.recompile()
             original = gm
         compiled = _compat.compile_with_inductor(

@@ -82,6 +82,8 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
         compiled(*args, **kwargs)
         return loss
 
+    if options.get("mode") != "off":
+        watch.expect_compiled(optimizer)
     step._collage_compiled = True  # type: ignore[attr-defined]
     # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``
     step.whole_step = compiled if whole else None  # type: ignore[attr-defined]

@@ -20,6 +20,10 @@ hear about it.  Three watchers, installed once when the backend is first asked f
    that too), so the next compiled step resumes from hi + lo.  The check also warns about
    input no graph can upgrade (``fused=True``, complex32, sparse gradients, an untraceable
    Adafactor).  Cost per step: a few set operations, whatever the model size.
+   An optimizer ``compile_optimizer`` compiled is also checked before its weights carry
+   a pair: a step in which no collage graph wrote any of its low-precision weights that
+   have a gradient is named (its step never compiled: Dynamo's recompile limit on
+   torch.optim's code, which every optimizer shares, filled by others).
 2. **Dynamo's recompile limit.**  When Dynamo gives up on a function whose graphs the
    backend compiled (its ``recompile_limit`` warning), a CollageWarning names the tensors
    those graphs upgrade: calls that match none of the compiled graphs now run eagerly.
@@ -62,6 +66,8 @@ _frames: dict[str, tuple[list[str], set[int]]] = {}
 _limit_named: set[int] = set()
 # optimizer -> parameter count when its input was last checked
 _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# optimizers compile_optimizer compiled: every step must write their low-precision weights
+_compiled_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
 # recompile-limit events seen: (function, limit, value, last reason)
 _limits: list[tuple[str, str, str, str]] = []
 # pairs checked per optimizer step for writes outside a step (round robin)
@@ -123,9 +129,18 @@ def compiled_frame(frame: str | None, upgraded: list[tuple[str, int | None]]) ->
         ids.update(i for _, i in upgraded if i is not None)
 
 
+def expect_compiled(optimizer: Any) -> None:
+    """``compile_optimizer`` compiled this optimizer's step: from its first step on, a
+    step in which no collage graph wrote any of its low-precision weights that have a
+    gradient ran without one, pairs or not (:func:`_uncompiled_step`)."""
+    _compiled_optimizers.add(optimizer)
+    _windows.setdefault(optimizer, [])
+
+
 def reset() -> None:
     """Forget what was watched (tests; a fresh start).  The hook stays installed."""
     _windows.clear()
+    _compiled_optimizers.clear()
     _expected.clear()
     _frames.clear()
     _limit_named.clear()
@@ -151,6 +166,8 @@ def _after_step(optimizer: Any) -> None:
             stepped = [by_id[i] for i in missing if by_id[i].grad is not None]
             if stepped:
                 _eager_step(optimizer, stepped, len(expected))
+        if optimizer in _compiled_optimizers:
+            _uncompiled_step(optimizer, written)
     if not _InCall.depth:
         _sweep()
 
@@ -197,6 +214,50 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
         f"collage_compile.compile_optimizer(opt)).",
         stacklevel=4,
     )
+
+
+def _uncompiled_step(optimizer: Any, written: frozenset[int]) -> None:
+    """A step of an optimizer ``compile_optimizer`` compiled in which no collage graph
+    wrote any of its low-precision weights with a gradient: it ran without one, also
+    where no weight carries a pair yet (the step never compiled: Dynamo's recompile
+    limit for the step's code, which every optimizer of the class shares, filled by
+    others), so :func:`_eager_step` would see nothing to compare.  Named once."""
+    low = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if getattr(p, "dtype", None) in LOW_PRECISION and p.grad is not None
+    ]
+    if not low or any(id(p) in written for p in low):
+        return
+    if all(state.get_lo(p) is not None for p in low):
+        return  # carrying pairs: _eager_step named them
+    opt = type(optimizer).__name__
+    dtype = str(low[0].dtype).replace("torch.", "")
+    warn_once(
+        ("uncompiled-step", str(id(optimizer))),
+        f"collage: {opt}.step was compiled by compile_optimizer, but this step ran without "
+        f"a graph compiled by the collage backend: {len(low)} of its {dtype} parameters with a "
+        f"gradient ({_param_names(optimizer, low)}) were updated in plain {dtype} "
+        f"arithmetic, which drops updates below half an ulp. Cause: "
+        f"{_limit_of_class(optimizer) or _cause(low)}.",
+        stacklevel=4,
+    )
+
+
+def _limit_of_class(optimizer: Any) -> str | None:
+    """A recompile limit hit for code of torch.optim (its step wrapper, a class's step):
+    every optimizer runs that code and each compiled one adds graphs of its own (Dynamo
+    guards on the optimizer object), so others' compiles count toward the limit."""
+    for name, limit, value, reason in reversed(_limits):
+        if "/torch/optim/" in name.replace("\\", "/"):
+            return (
+                f"torch.compile hit config.{limit} ({value}) for {name} (last reason: "
+                f"{reason}): every optimizer runs that code and each one compiled adds graphs "
+                "of its own, and a call that matches none of them runs eagerly. Raise "
+                f"torch._dynamo.config.{limit} above the number of optimizers you compile"
+            )
+    return None
 
 
 def _state_tensors(optimizer: Any, p: Any) -> list[torch.Tensor]:

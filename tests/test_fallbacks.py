@@ -146,6 +146,29 @@ def test_the_recompile_limit_is_named_once():
     assert "plain low precision" in msgs[0]
 
 
+def test_an_optimizer_whose_step_never_compiles_is_named():
+    """Every optimizer runs torch.optim's step wrapper, and Dynamo guards each compiled
+    optimizer by identity there: past the recompile limit (here 2) the next optimizer
+    ``compile_optimizer`` compiled never gets a graph and steps eagerly.  Its weights carry
+    no pair yet, so the check on pairs saw nothing: it is named from its first step on,
+    with the cause, and the optimizers that compiled stay compensated."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, generator=g).bfloat16()) for _ in range(3)]
+    opts = [collage_compile.compile_optimizer(torch.optim.AdamW([p], lr=1e-3)) for p in params]
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for p, opt in zip(params, opts):
+                _grad(p, g)
+                opt.step()
+    msgs = [m for m in _collage_warnings(rec) if "compiled by compile_optimizer" in m]
+    assert len(msgs) == 1, _collage_warnings(rec)
+    assert "1 of its bfloat16 parameters" in msgs[0], msgs
+    assert "recompile_limit (2)" in msgs[0] and "optimizer.py" in msgs[0], msgs
+    assert [state.get_lo(p) is not None for p in params] == [True, True, False]
+
+
 def test_plain_inductor_reaching_the_limit_after_collage_is_not_named():
     """The same code compiled by collage for a model now gone, then by plain Inductor,
     which reaches the limit: nothing of collage's loses compensation, so no warning."""

@@ -260,6 +260,34 @@ def test_a_cycled_momentum_stays_an_input_from_a_cold_start():
     assert plain_err >= max(0.5, 10 * err)
 
 
+def test_an_fp32_optimizer_under_a_schedule_leaves_its_bf16_twin_compensated():
+    """Two AdamW in one process (an fp32 one first, as a baseline run in the same script
+    or an fp32 head beside a bf16 body) run the same step code, and Dynamo's recompile
+    limit is per code.  The fp32 graph upgrades nothing; it took the scheduled lr as a
+    constant, one compile per step until the limit, after which the bf16 optimizer never
+    compiled and stepped in plain bf16, unnamed.  Every graph the backend compiles now
+    keeps a changing float an input (``passes.scalars``): each optimizer compiles once,
+    and the bf16 one tracks float64 with no CollageWarning but the fp32 one's notice."""
+    torch._dynamo.reset()
+    schedule = SCHEDULERS["LambdaLR-warmup-cosine-from-0"]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        train(_adamw, schedule, None, dtype=torch.float32, steps=30, foreach=True, mode="light")
+        params, start, _ = train(_adamw, schedule, None, steps=30, foreach=True, mode="plus")
+    named = [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
+    assert len(named) == 1 and "no bf16 or fp16 parameter" in named[0], named
+    ref, _, _ = train(_adamw, schedule, None, dtype=torch.float64, steps=30, foreach=False)
+    plain, _, _ = train(_adamw, schedule, None, steps=30, foreach=True)
+    origin = torch.cat([s.flatten() for s in start])
+    target = torch.cat([r.detach().double().flatten() for r in ref])
+    value = torch.cat([collage_compile.value(p).double().flatten() for p in params])
+    err = relative_error(value, target, origin)
+    plain_err = relative_error(torch.cat([q.detach().flatten() for q in plain]), target, origin)
+    print(f"bf16 after an fp32 optimizer: collage {err:.2e}  plain {plain_err:.2f}")
+    assert err <= 0.03
+    assert plain_err >= 10 * err
+
+
 def test_an_ema_decay_schedule_stays_dynamic():
     """An EMA of the weights whose decay warms up (``min(0.999, 1 - 0.5 / (1 + k))``, a
     Python float passed each step) tracks a float64 EMA of the same weights, compiled at most

@@ -278,6 +278,37 @@ def _apply(name):
         replay.WholeStep._missed = lambda self, why: None
     elif name == "replay_ignores_outside_writes":  # only the per-graph check skipped
         compiler._LoInputs.replay_blocker = lambda self: None
+    elif name == "keep_float_specializations":  # torch's tensorify mark outlives a graph
+        from collage_compile import _compat
+
+        _compat.forget_float_specializations = lambda: None
+    elif name == "uncompiled_step_silent":  # a compiled optimizer's eager step unnamed
+        from collage_compile import watch
+
+        watch._uncompiled_step = lambda optimizer, written: None
+    elif name == "fp32_graph_specializes":  # a graph with nothing to upgrade: no scalars pass
+        from collage_compile import compiler, passes
+
+        orig = compiler._compile_rewritten
+
+        def _compile_rewritten(gm, example_inputs, config, record):
+            if not any(
+                getattr(n.meta.get("example_value"), "dtype", None)
+                in (torch.bfloat16, torch.float16)
+                for n in gm.graph.find_nodes(op="placeholder")
+            ):
+                finalize, passes.finalize = passes.finalize, lambda gm: {}
+                try:
+                    return orig(gm, example_inputs, config, record)
+                finally:
+                    passes.finalize = finalize
+            return orig(gm, example_inputs, config, record)
+
+        compiler._compile_rewritten = _compile_rewritten
+    elif name == "replay_ignores_guards":  # the compile's guards on filled floats unread
+        from collage_compile import _compat
+
+        _compat.float_guards = lambda fake: []
     else:
         raise SystemExit(f"unknown MUT={name}")
     print(f"\n*** mutation applied: {name}")
