@@ -222,6 +222,27 @@ def forget_float_specializations() -> None:
     TensorifyState.clear()
 
 
+def before_float_restart(error: BaseException) -> None:
+    """Called with what the backend's compile raised: where it is torch's float
+    tensorification asking Dynamo to trace the frame again with a float a constant
+    (``TensorifyScalarRestartAnalysis``), clear the frame's ``SpeculationLog`` first, as
+    :func:`retrace_with_dynamic_floats` does for its own restart.
+
+    Why: the new trace may branch differently (a constant, not a symbol), and Dynamo
+    replays the graph breaks the first trace logged: SGD with momentum in two param groups
+    under OneCycleLR (momentum cycled, an input from the first compile) raised
+    ``SpeculationLogDivergence`` in the user's first step (``compile_optimizer``,
+    2.11 and 2.13)."""
+    try:
+        from torch._dynamo import exc
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        if isinstance(error, exc.TensorifyScalarRestartAnalysis):
+            InstructionTranslator.current_tx().speculation_log.clear()
+    except Exception:
+        return
+
+
 def retrace_with_dynamic_floats(wanted: Callable[[dict[str, Any], tuple[Any, ...]], bool]) -> None:
     """Called by the backend as a compile begins: if the frame Dynamo is tracing took an item
     of an optimizer's param group as a constant (at ``path`` in ``group``: ``("lr",)``,

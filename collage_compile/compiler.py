@@ -121,8 +121,12 @@ def compile_graph(
     shown = f"the graph of {_compat.current_frame() or 'a compiled function'}"
     if config.inductor_cudagraphs and _uncapturable(gm, example_inputs):
         watch.cudagraphs_on_cpu(shown)
-    with watch.in_call(shown):
-        compiled = _compile_graph(gm, example_inputs, config)
+    try:
+        with watch.in_call(shown):
+            compiled = _compile_graph(gm, example_inputs, config)
+    except Exception as e:
+        _compat.before_float_restart(e)
+        raise
     if config.every != 1 and isinstance(compiled, _LoInputs) and compiled.metrics is not None:
         quiet = dataclasses.replace(config, metrics=False, every=1)
         with watch.in_call(shown):
