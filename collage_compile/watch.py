@@ -66,8 +66,11 @@ _frames: dict[str, tuple[list[str], set[int]]] = {}
 _limit_named: set[int] = set()
 # optimizer -> parameter count when its input was last checked
 _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-# optimizers compile_optimizer compiled: every step must write their low-precision weights
-_compiled_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+# optimizers compile_optimizer compiled: every step must write their low-precision weights,
+# whose ids are kept with the parameter count they were read at
+_compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
 # recompile-limit events seen: (function, limit, value, last reason)
 _limits: list[tuple[str, str, str, str]] = []
 # pairs checked per optimizer step for writes outside a step (round robin)
@@ -133,7 +136,7 @@ def expect_compiled(optimizer: Any) -> None:
     """``compile_optimizer`` compiled this optimizer's step: from its first step on, a
     step in which no collage graph wrote any of its low-precision weights that have a
     gradient ran without one, pairs or not (:func:`_uncompiled_step`)."""
-    _compiled_optimizers.add(optimizer)
+    _compiled_optimizers[optimizer] = (-1, frozenset())
     _windows.setdefault(optimizer, [])
 
 
@@ -167,7 +170,7 @@ def _after_step(optimizer: Any) -> None:
             if stepped:
                 _eager_step(optimizer, stepped, len(expected))
         if optimizer in _compiled_optimizers:
-            _uncompiled_step(optimizer, written)
+            _uncompiled_step(optimizer, written, count)
     if not _InCall.depth:
         _sweep()
 
@@ -216,12 +219,25 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
     )
 
 
-def _uncompiled_step(optimizer: Any, written: frozenset[int]) -> None:
+def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> None:
     """A step of an optimizer ``compile_optimizer`` compiled in which no collage graph
     wrote any of its low-precision weights with a gradient: it ran without one, also
     where no weight carries a pair yet (the step never compiled: Dynamo's recompile
     limit for the step's code, which every optimizer of the class shares, filled by
-    others), so :func:`_eager_step` would see nothing to compare.  Named once."""
+    others), so :func:`_eager_step` would see nothing to compare.  Named once.  Per
+    step, one set operation in C (the weights' ids are read again when their count
+    changes): the replay's host work does not grow with the tensor count."""
+    seen, ids = _compiled_optimizers[optimizer]
+    if seen != count:
+        ids = frozenset(
+            id(p)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if getattr(p, "dtype", None) in LOW_PRECISION
+        )
+        _compiled_optimizers[optimizer] = (count, ids)
+    if not ids or not written.isdisjoint(ids):
+        return
     low = [
         p
         for g in optimizer.param_groups

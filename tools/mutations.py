@@ -285,7 +285,7 @@ def _apply(name):
     elif name == "uncompiled_step_silent":  # a compiled optimizer's eager step unnamed
         from collage_compile import watch
 
-        watch._uncompiled_step = lambda optimizer, written: None
+        watch._uncompiled_step = lambda optimizer, written, count: None
     elif name == "fp32_graph_specializes":  # a graph with nothing to upgrade: no scalars pass
         from collage_compile import compiler, passes
 
