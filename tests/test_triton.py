@@ -256,6 +256,28 @@ def test_the_interpreter_leaves_triton_able_to_compile_for_a_gpu(interpreted_tri
     assert source.make_ir(target, options, codegen, backend.get_module_map(), context)
 
 
+def test_the_interpreter_starts_no_compile_workers(interpreted_triton):
+    """Inductor's compile workers are processes started once per process, with the
+    environment of that moment (Inductor's Triton code generation starts them).
+    Started under the interpreter (``TRITON_INTERPRET=1``), they interpreted every later
+    kernel: on the GPU image (16 cores, so Inductor compiles in workers) every CUDA test
+    that ran after an interpreter test in one pytest worker failed with
+    "'InterpretedFunction' object has no attribute 'params'".  Under the harness Inductor
+    compiles in the test's process, so none starts there, even where the machine would
+    use several."""
+    from torch._inductor import async_compile
+
+    async_compile.AsyncCompile.process_pool.cache_clear()  # one started before stays apart
+    before = set(map(id, async_compile._pool_set))
+    # a kernel generated, not loaded from the cache: Triton's code generation starts them
+    no_cache = {"fx_graph_cache": False, "compile_threads": 4}
+    with torch._inductor.config.patch(no_cache), interpreted_triton():
+        out = torch.compile(lambda x: x * 2, backend="inductor")(torch.ones(4))
+    assert torch.equal(out, torch.full((4,), 2.0))
+    started = [p for p in async_compile._pool_set if id(p) not in before]
+    assert not started, f"compile workers started under TRITON_INTERPRET=1: {started}"
+
+
 def test_pairs_keep_combo_kernels_within_inductors_limit(interpreted_triton):
     """Inductor splits a foreach step's Triton combo kernels at 250 buffers
     (``combo_kernel_max_num_args``); each lo is one more read and write, so AdamW over 4 GPT

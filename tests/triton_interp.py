@@ -236,7 +236,13 @@ def interpreted_triton() -> Iterator[None]:
     with (
         _language_restored(),
         pytest.MonkeyPatch.context() as patch,
-        inductor_config.patch(cpu_backend="triton"),
+        # Inductor's compile workers are processes started once, with the environment of
+        # that moment: started here, they would interpret every later kernel of the
+        # process (on the GPU image, each CUDA test after an interpreter test in one
+        # pytest worker failed: "'InterpretedFunction' object has no attribute
+        # 'params'"); with one compile thread Inductor starts none, and the interpreter
+        # loads each kernel in this process anyway
+        inductor_config.patch(cpu_backend="triton", compile_threads=1),
         # a combo kernel's masked-off lanes divide 0 by 0; their results are never stored
         np.errstate(divide="ignore", invalid="ignore"),
     ):
