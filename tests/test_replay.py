@@ -99,11 +99,11 @@ def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(case)
     assert err_plain > 30 * err, (err_plain, err)
 
 
-def _exact_against_fp32(device):
-    """Exact mode, compiled and replayed, against the same stock AdamW on fp32 weights fed
-    the same (bf16) gradients under the same warmup from lr = 0, compiled by
+def _exact_runs(device):
+    """Exact mode, compiled and replayed, and the same stock AdamW on fp32 weights fed the
+    same (bf16) gradients under the same warmup from lr = 0, compiled by
     ``compile_optimizer`` too (its graph keeps the lr a tensor, as exact mode's does):
-    whether each matched bit for bit."""
+    their fp32 weights, and the stream's start and gradients."""
     start, grads = drifting_stream([(64, 32), (32,), (32, 32)], 12)
     start = [t.to(device) for t in start]
     grads = [[g.to(device) for g in gs] for gs in grads]
@@ -115,11 +115,19 @@ def _exact_against_fp32(device):
     whole = opt.step.whole_step
     assert whole.refused is None, whole.capture_error or whole.refused
     assert whole.replays >= 12 - 3, whole.replays
-    return _values_equal(compiled, fp32), _values_equal(replayed, fp32)
+    values = [[collage_compile.value(p) for p in ps] for ps in (compiled, replayed)]
+    return start, grads, [p.detach() for p in fp32], *values
 
 
-def _values_equal(bf16s, fp32s):
-    return all(torch.equal(collage_compile.value(p), q) for p, q in zip(bf16s, fp32s))
+def _values_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def ulps(a, b):
+    """How many fp32 ulps apart two fp32 tensors are at most, and at how many elements
+    (each pair of values of one sign: their bit patterns' distance)."""
+    d = (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+    return int(d.max()), int((d > 0).sum())
 
 
 def test_a_replayed_exact_step_is_the_fp32_step_bit_for_bit():
@@ -127,7 +135,8 @@ def test_a_replayed_exact_step_is_the_fp32_step_bit_for_bit():
     weights here never sat on a bf16 tie, where a remainder cannot follow): replayed, too."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Warning)  # the fp32 one: nothing to compensate
-        assert _exact_against_fp32("cpu") == (True, True)
+        _, _, fp32, compiled, replayed = _exact_runs("cpu")
+    assert _values_equal(compiled, fp32) and _values_equal(replayed, fp32)
 
 
 def _rewind(snapshot):
@@ -375,27 +384,51 @@ def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_f
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_a_replayed_exact_step_is_the_fp32_step_bit_for_bit():
-    """Exact mode on the GPU, compiled and replayed, against the fp32 step compiled there;
-    the pair says which differs, if one does (Triton may contract the float64 scalar
-    arithmetic into fused multiply-adds where the C++ path does not)."""
+def test_on_cuda_exact_mode_is_the_fp32_step_but_for_contraction():
+    """On a GPU, Triton contracts ``a * b + c`` into one fused multiply-add (one rounding)
+    where a kernel's expression allows, and exact mode's kernels are not the fp32 step's:
+    they join and split around the step, and compute the step's scalars once, in a kernel
+    of their own (``_compat.realize_scalars_pass``).  So the two round differently at a
+    few weights.  The first GPU run (an H200, torch 2.11; ``tools/probe_exact.py``): after
+    12 steps, 33 of 3104 weights 1 or 2 fp32 ulps from the fp32 step, both 2.036e-05 of
+    the movement from float64, and the fp32 step compiled without contraction 6 ulps from
+    the default one, at 1573 weights.  Here: exact replayed is exact compiled bit for bit;
+    each is within 4 ulps of the fp32 step at under 5 % of the weights and as close to
+    float64, where plain bf16 is far off."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Warning)
-        assert _exact_against_fp32("cuda") == (True, True)
+        warnings.simplefilter("ignore", Warning)  # the fp32 one: nothing to compensate
+        start, grads, fp32, compiled, replayed = _exact_runs("cuda")
+        ref, _ = _train(start, grads, torch.float64, compiled=False)
+        plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
+    assert _values_equal(compiled, replayed)
+    apart = [ulps(c, f) for c, f in zip(compiled, fp32)]
+    n = sum(f.numel() for f in fp32)
+    print(f"exact vs fp32 on CUDA: {apart}, of {n} weights")
+    assert max(u for u, _ in apart) <= 4 and sum(k for _, k in apart) < 0.05 * n, apart
+
+    def err(ws):
+        return max(relative_error(w, r, s) for w, r, s in zip(ws, ref, start))
+
+    assert err(compiled) <= 1.01 * err(fp32) and 1000 * err(compiled) < err(plain)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_on_cuda_a_step_that_counts_on_the_cpu_is_named_and_not_captured():
-    """An AdamW that stepped eagerly before it was compiled keeps its step counts on the
-    CPU (``capturable=False``): a capture would freeze them at one value, so the step is
-    named as not replayed and runs compiled, the same weights as without cudagraphs."""
-    start, grads = drifting_stream([(64, 32), (32,)], 8)
+def test_on_cuda_an_optimizer_that_stepped_eagerly_first_is_replayed():
+    """An AdamW that stepped eagerly before it was compiled holds its step counts on the
+    CPU (``capturable=False``).  Dynamo moves them to the parameters' device when it
+    compiles the step (``OptimizerVariable.move_step_if_cpu``, torch 2.11 and 2.13), so
+    the capture holds no CPU tensor: the step is replayed, with the weights of the step
+    compiled without cudagraphs, bit for bit, and tracks float64.  (The first GPU run
+    showed it: this test, which expected the step to be refused, found no refusal.)"""
+    start, grads = drifting_stream([(64, 32), (32,)], STEPS)
     start = [t.cuda() for t in start]
     grads = [[g.cuda() for g in gs] for gs in grads]
 
     def eager_first(ps, opt):  # torch's own step, not the compiled one installed on opt
         torch.optim.AdamW.step(opt)
 
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
     runs = {}
     for whole in (False, True):
         torch._dynamo.reset()
@@ -403,6 +436,13 @@ def test_on_cuda_a_step_that_counts_on_the_cpu_is_named_and_not_captured():
             warnings.simplefilter("always")
             runs[whole] = _train(start, grads, torch.bfloat16, {0: eager_first}, cudagraphs=whole)
     named = [str(w.message) for w in rec if "not replayed" in str(w.message)]
-    assert len(named) == 1 and "CPU tensors" in named[0], named
-    assert runs[True][1].step.whole_step.replays == 0
-    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0]))
+    (replayed, opt), (compiled, _) = runs[True], runs[False]
+    assert not named, named
+    assert all(s["step"].device.type == "cuda" for s in opt.state.values())
+    assert opt.step.whole_step.replays >= STEPS - 4, opt.step.whole_step.replays
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    assert err_plain > 10 * err, (err_plain, err)
