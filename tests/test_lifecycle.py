@@ -24,7 +24,7 @@ def test_a_thousand_lifetimes_keep_memory_flat():
     """The issue's criterion: 1000 create / train / delete cycles of a parameter passed
     into a compiled step (its lo kept by view), plus 1000 of a tensor given a pair with
     ``set_value`` (kept by identity): the registry and the process memory stay flat.  Each
-    lifetime's lo is 512 KiB, so 1000 leaked would be 500 MiB."""
+    lifetime's lo is 512 KiB, so 1000 leaked would be 500 MiB: a quarter of that fails."""
     n = 256 * 1024
 
     @torch.compile(backend=collage_compile.backend)
@@ -52,7 +52,9 @@ def test_a_thousand_lifetimes_keep_memory_flat():
     print(f"1000 lifetimes: registry {base_count} -> {state.count()}, RSS +{grown:.1f} MiB")
     assert state.count() <= base_count + 2
     assert len(state._stamps) <= base_count + 2
-    assert grown < 64
+    # a leak of one lo a lifetime keeps 500 MiB; without one, RSS grew 65 MiB on the GPU
+    # image's 16-core machine (its allocator's arenas), under 64 here
+    assert grown < 128
 
     # the pairs really were made and used: the compiled step moved the value, plain would not
     p = torch.nn.Parameter(torch.full((n,), 1.0, dtype=torch.bfloat16))
