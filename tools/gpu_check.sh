@@ -2,27 +2,29 @@
 # Issue 26's GPU measurements as device calls of at most 10 minutes (a session has 15
 # minutes of device time; a machine start took 30 s on 2026-11-26 and the machine goes
 # back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/):
-#   bash tools/gpu_check.sh                  # host tests, at most 8 minutes
-#   bash tools/gpu_check.sh llama_cg         # then at once, at most 4 minutes
+#   bash tools/gpu_check.sh tests llama_cg   # about 5.5 minutes
+#   bash tools/gpu_check.sh host             # then at once, about 2 minutes
 #   bash tools/gpu_check.sh step_large step  # the others, in a later session
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
-# Parts, with what they took on the H100 (16 host cores):
+# Parts, with what they took (16 host cores; cold: a fresh machine, empty caches):
 #   host       benchmarks.host at the demo's tensor count with a new lr every step: the
 #              host time of the whole-step replay (light-cg, plus-cg: compile_optimizer(
 #              cudagraphs=True)) beside plain Inductor's cudagraph trees and fused AdamW,
 #              where it goes (cProfile of light-cg), and the code Inductor generated
-#              (code/).  2026-11-26, cold: 8 variants did not finish compiling in 150 s
-#              (3 of them did); 5 variants, warm, 200 s
+#              (code/).  H100, 2026-11-27, warm: 104 s
 #   tests      the GPU tests, 12 workers: the whole-step replay (test_replay.py first),
 #              CUDA-graph capture, Triton against the C++ path, host cost, schedules.
-#              2026-11-26: cold, not done in 150 s (5 failures reported no further);
-#              warm, 82 passed in 182 s
-#   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (166 s)
+#              H100, 2026-11-27, cold: 188 s (10 failures, fixed since; a rerun of the
+#              Triton, codegen and host-cost files with 8 workers did not end in 190 s)
+#   probe      tools/probe_exact.py: exact mode against the fp32 step, in fp32 ulps, with
+#              and without Triton's FMA contraction (H200, 2026-11-27: 33 s)
+#   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (H100,
+#              2026-11-27, after tests: 116 s)
 #   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
-#              captured variants included (140 s)
+#              whole-step replays included (H200, 2026-11-27, cold: 110 s)
 #   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
 #              compiles 60-70 s there, plain Inductor 30 s, one after another; now each
 #              variant compiles cold in a process of its own, 8 at a time) (300 s)
@@ -55,6 +57,7 @@ run() {
         tests/test_cudagraphs.py \
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
+    probe) part 120 probe.log python3 tools/probe_exact.py --code "$out/probe_code.txt" ;;
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
         --variants fused light plus cudagraphs --json "$out/step.json" ;;
     host) part 230 host.log python3 -m benchmarks.host --device cuda --tensors 75 --schedule \
@@ -69,6 +72,6 @@ run() {
     esac
 }
 
-for name in "${@:-host tests}"; do
+for name in "${@:-tests llama_cg}"; do
     for one in $name; do run "$one"; done
 done
