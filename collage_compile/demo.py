@@ -183,6 +183,7 @@ class Settings:
     seed: int
     device: str
     clip: float | None = None  # clip_grad_norm_ before every step (None: no clipping)
+    profile_steps: int = 0  # steady steps run under torch.profiler (StepProfile), untimed
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **fixed: Any) -> Settings:
@@ -335,6 +336,68 @@ def train_one(
     return run.summary(n_params, wall)
 
 
+class StepProfile:
+    """``count`` steady steps from the middle of a run under ``torch.profiler``: each step's
+    forward and backward (with clipping) and its optimizer step as labelled regions, and
+    the ops that took the most host and device time.  Where a strategy's step is slower
+    than another's, this says in which region and which ops.  ``count`` 0: nothing runs."""
+
+    TOP = 12
+
+    def __init__(self, count: int, steps: int, device: str):
+        self.first = max(3, steps // 2) if count else steps
+        self.last = min(steps, self.first + count) - 1
+        self.cuda = device.startswith("cuda")
+        self.prof: Any = None
+        self.summary: dict[str, Any] | None = None
+
+    def start(self, i: int) -> bool:
+        """Starts the window at its first step; whether step ``i`` is profiled."""
+        if i == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            acts += [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        return self.prof is not None
+
+    def region(self, name: str) -> Any:
+        return torch.profiler.record_function(name) if self.prof else contextlib.nullcontext()
+
+    def stop(self, i: int) -> None:
+        if self.prof is not None and i == self.last:
+            self.prof.__exit__(None, None, None)
+            self.summary = self._summarize(self.prof.key_averages(), self.last - self.first + 1)
+            self.prof = None
+
+    @classmethod
+    def _summarize(cls, events: Any, n: int) -> dict[str, Any]:
+        """Per step, in ms: each region's host time (inclusive) and device time, and the
+        top ops by their own host time and by their own device time."""
+
+        def dev(e: Any, own: bool) -> float:
+            name = ("self_" if own else "") + "device_time_total"
+            legacy = ("self_" if own else "") + "cuda_time_total"
+            return getattr(e, name, getattr(e, legacy, 0.0)) / 1e3 / n
+
+        regions = {
+            e.key: {"host_ms": e.cpu_time_total / 1e3 / n, "device_ms": dev(e, own=False)}
+            for e in events
+            if e.key in ("fwd+bwd", "optimizer")
+        }
+        ops = [e for e in events if e.key not in regions]
+
+        def top(key: Callable[[Any], float]) -> list[list[Any]]:
+            best = sorted(ops, key=key, reverse=True)[: cls.TOP]
+            return [[e.key, round(key(e), 4), e.count / n] for e in best if key(e) > 0]
+
+        return {
+            "steps": n,
+            "regions": regions,
+            "top_host": top(lambda e: e.self_cpu_time_total / 1e3 / n),
+            "top_device": top(lambda e: dev(e, own=True)),
+        }
+
+
 class _Run:
     """One strategy's training loop and what it records."""
 
@@ -361,6 +424,7 @@ class _Run:
         self.step_loss: list[float] = []
         self.step_ms: list[float] = []
         self.opt_ms: list[float] = []
+        self.profile = StepProfile(s.profile_steps, s.steps, s.device)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> None:
@@ -381,28 +445,36 @@ class _Run:
         self.evaluate(0)
         bar = progress(range(s.steps), desc=f"{self.strategy:>13}", unit="step", leave=True)
         sample_every = max(1, s.eval_every // 4)
+        profile = self.profile
         for i in bar:
             x, y = get_batch(self.train, self.starts[i], s.block_size, s.device)
             sampled = s.metrics and (i + 1) % sample_every == 0
             before = st.snapshot() if sampled else None
+            profiled = profile.start(i)
             _sync(s.device)
             t0 = time.perf_counter()
-            with st.autocast():
-                loss = self.fwd(x, y)
-            st.opt.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            loss.backward()
-            if s.clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
-            _sync(s.device)
+            with profile.region("fwd+bwd"):
+                with st.autocast():
+                    loss = self.fwd(x, y)
+                st.opt.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
+                loss.backward()
+                if s.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
+                _sync(s.device)
             t1 = time.perf_counter()
-            with st.measured() if sampled else contextlib.nullcontext():
+            with (
+                profile.region("optimizer"),
+                st.measured() if sampled else contextlib.nullcontext(),
+            ):
                 st.step()
-            _sync(s.device)
+                _sync(s.device)
             t2 = time.perf_counter()
+            profile.stop(i)
             self.sched.step()
-            self.step_ms.append(1e3 * (t2 - t0))
-            self.opt_ms.append(1e3 * (t2 - t1))
+            if not profiled:  # the profiler's own cost is not the step's
+                self.step_ms.append(1e3 * (t2 - t0))
+                self.opt_ms.append(1e3 * (t2 - t1))
             self.step_loss.append(loss.item())
             if sampled:
                 self.record_metrics(i + 1, st.metrics(before))
@@ -441,6 +513,7 @@ class _Run:
             "ms_per_step_median": statistics.median(warm),
             "opt_ms_per_step_median": statistics.median(warm_opt),
             "step_ms": self.step_ms,
+            "profile": self.profile.summary,
             "opt_ms": self.opt_ms,
             "first_step_s": self.step_ms[0] / 1e3,
             "wall_s": wall,

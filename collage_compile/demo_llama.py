@@ -193,6 +193,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--strategies", default=",".join(STRATEGIES), help="a comma-separated subset of these"
     )
     ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="run this many steady steps of each strategy under torch.profiler (untimed) and "
+        "print where each region's time went",
+    )
+    ap.add_argument(
         "--cudagraphs",
         action="store_true",
         help="collage strategies with compile_optimizer(cudagraphs=True): each step after the "
@@ -201,6 +208,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     demo.check_strategies(ap, args.strategies, STRATEGIES)
     return args
+
+
+def profile_lines(r: dict[str, Any], top: int = 6) -> str:
+    """A strategy's profiled steps (``--profile-steps``): per step, each region's host and
+    device ms, and the ops with the most host time of their own."""
+    p = r["profile"]
+    regions = ", ".join(
+        f"{k} {v['host_ms']:.2f} ms host / {v['device_ms']:.2f} ms device"
+        for k, v in p["regions"].items()
+    )
+    ops = "; ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in p["top_host"][:top])
+    return f"{r['strategy']} profiled ({p['steps']} steps), per step: {regions}\n  host: {ops}"
 
 
 def settings(args: argparse.Namespace) -> demo.Settings:
@@ -247,6 +266,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     for r in results:
+        if r["profile"] is not None:
+            print(profile_lines(r))
         if r["replayed_steps"] is not None:
             print(
                 f"{r['strategy']}: {r['replayed_steps']} of {s.steps} optimizer steps replayed whole"

@@ -109,7 +109,8 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     """examples/train_llama.py (the GPU main job) as a CPU smoke test: a one-layer Hugging
     Face Llama, each strategy a few steps under HF's cosine schedule with clipping; every
     row is there with finite numbers, its time columns add up, its state is what the
-    strategy keeps, and no collage strategy gave a CollageWarning.  With ``--cudagraphs``,
+    strategy keeps, and no collage strategy gave a CollageWarning; ``--profile-steps``
+    profiles two steps of each, untimed.  With ``--cudagraphs``,
     as on the GPU: every collage step after the one that compiles and the one that is
     recorded is a replay of the whole step (:mod:`collage_compile.replay`)."""
     pytest.importorskip("transformers")
@@ -118,6 +119,7 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     argv = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
     argv += ["--block-size", "16", "--batch-size", "4", "--eval-every", "3"]
     argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path), "--cudagraphs"]
+    argv += ["--profile-steps", "2"]
     result = demo_llama.run(argv)
     saved = json.loads((tmp_path / "train_llama.json").read_text())
     assert saved["table"] == result["table"]
@@ -128,6 +130,13 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     state = {"fp32-amp": 12, "bf16": 6, "collage-light": 8, "collage-plus": 8}
     for name, r in rows.items():
         assert math.isfinite(r["final_val_loss"]) and len(r["step_loss"]) == 6, name
+        # steps 3 and 4 profiled (untimed): both regions, and the ops that took the time
+        assert len(r["step_ms"]) == 4 and r["profile"]["steps"] == 2, name
+        regions = r["profile"]["regions"]
+        assert set(regions) == {"fwd+bwd", "optimizer"}, name
+        assert all(v["host_ms"] > 0 for v in regions.values()), (name, regions)
+        assert r["profile"]["top_host"] and r["profile"]["top_host"][0][1] > 0, name
+        assert f"{name} profiled (2 steps), per step: fwd+bwd" in demo_llama.profile_lines(r)
         assert r["bytes_per_param"] == pytest.approx(state[name], abs=0.01), name
         assert 0 < r["opt_ms_per_step"] < r["ms_per_step"], name
         assert r["tokens_per_s"] == pytest.approx(4 * 16 / (r["ms_per_step"] / 1e3)), name

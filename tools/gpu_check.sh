@@ -65,6 +65,7 @@ run() {
         --rounds 5 --steps 100 --code "$out/code" ;;
     llama) part 240 llama.log python3 examples/train_llama.py --device cuda --out "$out/llama" ;;
     llama_cg) part 230 llama_cg.log python3 examples/train_llama.py --device cuda --cudagraphs \
+        --profile-steps 3 \
         --out "$out/llama_cg" ;;
     step_large) part 200 step_large.log python3 -m benchmarks.step --device cuda --size large \
         --variants fused light plus cudagraphs --json "$out/step_large.json" ;;
