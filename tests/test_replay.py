@@ -57,6 +57,20 @@ def _train(
     return ps, opt
 
 
+def _same_bits(compiled, replayed):
+    """The replayed weights and their pairs (or remainders) are the compiled step's."""
+    for c, r in zip(compiled, replayed):
+        assert torch.equal(c, r)
+        assert torch.equal(mcf_value(c), mcf_value(r))
+
+
+def _errors(replayed, ref, plain, start):
+    """The largest error against float64 of the replayed run and of plain bf16."""
+    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
+    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    return err, err_plain
+
+
 # how the step is built: the optimizer's flags and compile_optimizer's options
 REPLAYED = {
     "cpu-path": {},
@@ -89,11 +103,8 @@ def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(case)
     whole = opt.step.whole_step
     assert whole.refused is None
     assert whole.replays == STEPS - 2
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
-    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
-    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    _same_bits(compiled, replayed)
+    err, err_plain = _errors(replayed, ref, plain, start)
     print(f"replayed {err:.2%} from float64, plain bf16 {err_plain:.2%} ({case})")
     assert err < 3e-3, err
     assert err_plain > 30 * err, (err_plain, err)
@@ -191,9 +202,7 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
         assert any("outside" in m for m in named), named
         assert not any("not replayed" in m or "ran compiled" in m for m in named), named
     (compiled, _), (replayed, opt) = runs[False], runs[True]
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
+    _same_bits(compiled, replayed)
     whole = opt.step.whole_step
     reasons = " | ".join(whole.given_way)
     for why in ("hyperparameter", "state", "outside", "gradient"):
@@ -247,12 +256,9 @@ def test_a_replay_checks_what_the_compile_guards_on_a_scheduled_float():
     assert whole.refused is None
     assert any("fails a guard" in why for why in whole.given_way), whole.given_way
     assert whole.replays >= 16 - 3 - 4, whole.replays
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
+    _same_bits(compiled, replayed)
     ref, plain = runs["ref"], runs["plain"]
-    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
-    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    err, err_plain = _errors(replayed, ref, plain, start)
     print(f"replayed {err:.2%} from float64, plain bf16 {err_plain:.2%}, {whole.given_way}")
     assert err_plain > 10 * err, (err_plain, err)
 
@@ -276,14 +282,11 @@ def test_a_replay_that_keeps_giving_way_is_named_once():
     assert len(named) == 1 and "gradient appeared or went" in named[0], named
     (compiled, _), (replayed, opt) = runs[False], runs[True]
     assert opt.step.whole_step.replays == 0
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
+    _same_bits(compiled, replayed)
     # and compensated: float64 tracked far closer than plain bf16 on the same stream
     ref, _ = _train(start, grads, torch.float64, events, compiled=False)
     plain, _ = _train(start, grads, torch.bfloat16, events, compiled=False)
-    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
-    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    err, err_plain = _errors(replayed, ref, plain, start)
     assert err_plain > 10 * err, (err_plain, err)
 
 
@@ -362,11 +365,8 @@ def test_on_cuda_a_replayed_step_is_one_graph_launch_and_the_compiled_step_bit_f
     why = whole.capture_error or whole.refused  # the capture's traceback, if it failed
     assert whole.refused is None and whole.plan is not None and whole.plan.graph is not None, why
     assert whole.replays == STEPS - 3  # compile, record, capture (replayed once)
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
-    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
-    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    _same_bits(compiled, replayed)
+    err, err_plain = _errors(replayed, ref, plain, start)
     assert err_plain > 10 * err, (err_plain, err)
     for p in replayed:
         p.grad = torch.randn_like(p)
@@ -440,9 +440,6 @@ def test_on_cuda_an_optimizer_that_stepped_eagerly_first_is_replayed():
     assert not named, named
     assert all(s["step"].device.type == "cuda" for s in opt.state.values())
     assert opt.step.whole_step.replays >= STEPS - 4, opt.step.whole_step.replays
-    for c, r in zip(compiled, replayed):
-        assert torch.equal(c, r)
-        assert torch.equal(mcf_value(c), mcf_value(r))
-    err = max(relative_error(mcf_value(r), q, s) for r, q, s in zip(replayed, ref, start))
-    err_plain = max(relative_error(p, q, s) for p, q, s in zip(plain, ref, start))
+    _same_bits(compiled, replayed)
+    err, err_plain = _errors(replayed, ref, plain, start)
     assert err_plain > 10 * err, (err_plain, err)
