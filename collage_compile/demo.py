@@ -445,43 +445,46 @@ class _Run:
         self.evaluate(0)
         bar = progress(range(s.steps), desc=f"{self.strategy:>13}", unit="step", leave=True)
         sample_every = max(1, s.eval_every // 4)
-        profile = self.profile
         for i in bar:
-            x, y = get_batch(self.train, self.starts[i], s.block_size, s.device)
             sampled = s.metrics and (i + 1) % sample_every == 0
             before = st.snapshot() if sampled else None
-            profiled = profile.start(i)
-            _sync(s.device)
-            t0 = time.perf_counter()
-            with profile.region("fwd+bwd"):
-                with st.autocast():
-                    loss = self.fwd(x, y)
-                st.opt.zero_grad(set_to_none=True)
-                self.model.zero_grad(set_to_none=True)
-                loss.backward()
-                if s.clip is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
-                _sync(s.device)
-            t1 = time.perf_counter()
-            with (
-                profile.region("optimizer"),
-                st.measured() if sampled else contextlib.nullcontext(),
-            ):
-                st.step()
-                _sync(s.device)
-            t2 = time.perf_counter()
-            profile.stop(i)
-            self.sched.step()
+            profiled = self.profile.start(i)
+            loss, step_ms, opt_ms = self.step(i, st.measured() if sampled else None)
+            self.profile.stop(i)
             if not profiled:  # the profiler's own cost is not the step's
-                self.step_ms.append(1e3 * (t2 - t0))
-                self.opt_ms.append(1e3 * (t2 - t1))
-            self.step_loss.append(loss.item())
+                self.step_ms.append(step_ms)
+                self.opt_ms.append(opt_ms)
+            self.step_loss.append(loss)
             if sampled:
                 self.record_metrics(i + 1, st.metrics(before))
             if (i + 1) % s.eval_every == 0 or i + 1 == s.steps:
                 self.evaluate(i + 1)
                 bar.set_postfix(val=f"{self.curve['val'][-1]:.4f}")
         bar.close()
+
+    def step(self, i: int, measured: Any = None) -> tuple[float, float, float]:
+        """One training step on batch ``i`` (modulo the run's), the scheduler's step after
+        it: its loss, and its time and its optimizer step's, in ms (synchronized)."""
+        s, st, region = self.s, self.st, self.profile.region
+        x, y = get_batch(self.train, self.starts[i % len(self.starts)], s.block_size, s.device)
+        _sync(s.device)
+        t0 = time.perf_counter()
+        with region("fwd+bwd"):
+            with st.autocast():
+                loss = self.fwd(x, y)
+            st.opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            loss.backward()
+            if s.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
+            _sync(s.device)
+        t1 = time.perf_counter()
+        with region("optimizer"), measured or contextlib.nullcontext():
+            st.step()
+            _sync(s.device)
+        t2 = time.perf_counter()
+        self.sched.step()
+        return loss.item(), 1e3 * (t2 - t0), 1e3 * (t2 - t1)
 
     def record_metrics(self, step: int, m: dict[str, float]) -> None:
         if m:
@@ -490,11 +493,6 @@ class _Run:
                 self.edq[k].append(m[k])
 
     def summary(self, n_params: int, wall: float) -> dict[str, Any]:
-        # The first steps compile (and warm caches): time the rest.  On a shared machine other
-        # processes stall some steps by whole scheduler slices (2 OpenMP threads on 2 busy
-        # cores), so the 20th percentile says what the code costs better than the median.
-        warm = self.step_ms[min(3, len(self.step_ms) - 1) :]
-        warm_opt = self.opt_ms[min(3, len(self.opt_ms) - 1) :]
         cuda = self.s.device.startswith("cuda")
         out: dict[str, Any] = {
             "strategy": self.strategy,
@@ -506,12 +504,7 @@ class _Run:
             "curve": self.curve,
             "step_loss": self.step_loss,
             "edq_curve": self.edq,
-            "ms_per_step": _quantile(warm, 0.2),
-            "opt_ms_per_step": _quantile(warm_opt, 0.2),
-            # forward + backward (+ clipping): each step less its optimizer step
-            "fwd_bwd_ms_per_step": _quantile([t - o for t, o in zip(warm, warm_opt)], 0.2),
-            "ms_per_step_median": statistics.median(warm),
-            "opt_ms_per_step_median": statistics.median(warm_opt),
+            **step_times(self.step_ms, self.opt_ms, skip=3),
             "step_ms": self.step_ms,
             "profile": self.profile.summary,
             "opt_ms": self.opt_ms,
@@ -522,11 +515,31 @@ class _Run:
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         }
         out["bytes_per_param"] = out["persistent_bytes"] / n_params
-        out["tokens_per_s"] = self.s.batch_size * self.s.block_size / (out["ms_per_step"] / 1e3)
+        out["tokens_per_s"] = tokens_per_s(self.s, out["ms_per_step"])
         for k in ("edq", "edq_hi", "imprecision"):
             vals = [v for v in self.edq[k] if not math.isnan(v)]
             out[k] = statistics.fmean(vals) if vals else None
         return out
+
+
+def step_times(step_ms: list[float], opt_ms: list[float], skip: int) -> dict[str, float]:
+    """A step's time, its optimizer step's and the rest's (forward, backward, clipping) in
+    ms, after the first ``skip`` steps (which compile and warm caches).  On a shared machine
+    other processes stall some steps by whole scheduler slices, so the 20th percentile says
+    what the code costs better than the median (also given)."""
+    warm = step_ms[min(skip, len(step_ms) - 1) :]
+    warm_opt = opt_ms[min(skip, len(opt_ms) - 1) :]
+    return {
+        "ms_per_step": _quantile(warm, 0.2),
+        "opt_ms_per_step": _quantile(warm_opt, 0.2),
+        "fwd_bwd_ms_per_step": _quantile([t - o for t, o in zip(warm, warm_opt)], 0.2),
+        "ms_per_step_median": statistics.median(warm),
+        "opt_ms_per_step_median": statistics.median(warm_opt),
+    }
+
+
+def tokens_per_s(s: Settings, ms_per_step: float) -> float:
+    return s.batch_size * s.block_size / (ms_per_step / 1e3)
 
 
 @torch.no_grad()

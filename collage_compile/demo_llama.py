@@ -17,7 +17,9 @@ matrices only), ``get_cosine_schedule_with_warmup`` from lr = 0, ``clip_grad_nor
 
 It prints, per strategy: validation loss and its gap to fp32-amp, tokens/s, the train step's
 time, the optimizer step's and forward + backward's, peak memory (CUDA), bytes per parameter
-kept, and the CollageWarnings the run gave.  The loop, data and measurements are the GPT
+kept, and the CollageWarnings the run gave.  The times are measured after training, side by
+side: rounds of a few steps of each strategy in turn (``--timing-rounds``), so that a machine
+whose speed drifts over minutes slows every strategy alike.  The loop, data and measurements are the GPT
 demo's (:mod:`collage_compile.demo`): text shipped with Python, no download.
 """
 
@@ -111,16 +113,17 @@ def train_one(
     cudagraphs: bool,
     progress: Callable[..., Any],
 ) -> dict[str, Any]:
-    """One strategy from the shared bf16 init; its numbers and the CollageWarnings given."""
+    """One strategy from the shared bf16 init; its numbers and the CollageWarnings given,
+    and the run, kept for the side-by-side timing (:func:`side_by_side`).  Its peak memory
+    is counted above what the strategies before it still hold."""
     from transformers import get_cosine_schedule_with_warmup
 
-    torch._dynamo.reset()
-    # whatever of the last strategy sits in reference cycles (a compiled step holds its
-    # optimizer) is freed before this one's peak is measured
-    gc.collect()
+    gc.collect()  # what the last strategy left in reference cycles
+    baseline = 0
     if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
     dtype = torch.float32 if strategy == "fp32-amp" else torch.bfloat16
     model = ByteLlama(s).to(s.device, dtype)
     model.load_state_dict(init)
@@ -137,15 +140,47 @@ def train_one(
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always", collage_compile.CollageWarning)
         run.loop(progress)
-    said = [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
-    for w in rec:  # the others are not ours to swallow
-        if not issubclass(w.category, collage_compile.CollageWarning):
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    said = _collage_warnings(rec)
     out = run.summary(sum(p.numel() for p in params.values()), time.perf_counter() - t0)
     out["collage_warnings"] = said
+    if out["peak_memory_bytes"] is not None:
+        out["peak_memory_bytes"] -= baseline
     whole = getattr(st.opt.step, "whole_step", None)  # cudagraphs=True: the step replayed
     out["replayed_steps"] = whole.replays if whole is not None else None
-    return out
+    return out, run
+
+
+def side_by_side(runs: list[tuple[dict[str, Any], demo._Run]], rounds: int, steps: int) -> None:
+    """After training, ``rounds`` rounds of ``steps`` training steps of every strategy in
+    turn (the order rotating each round), timed as in training: noise that drifts over the
+    minutes one strategy trains (on the H100, bf16's median forward and backward went from
+    21 to 29 ms between the halves of its run) lands on every strategy alike.  Each row's
+    step, optimizer and forward-and-backward times become these (the 20th percentile);
+    the training's are kept under ``training_times``."""
+    times: dict[str, tuple[list[float], list[float]]] = {r.strategy: ([], []) for _, r in runs}
+    for k in range(rounds):
+        for out, r in runs[k % len(runs) :] + runs[: k % len(runs)]:
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always", collage_compile.CollageWarning)
+                for i in range(steps):
+                    _, step_ms, opt_ms = r.step(k * steps + i)
+                    times[r.strategy][0].append(step_ms)
+                    times[r.strategy][1].append(opt_ms)
+            out["collage_warnings"] += _collage_warnings(rec)
+    for out, r in runs:
+        measured = demo.step_times(*times[r.strategy], skip=0)
+        out["training_times"] = {k: out[k] for k in measured}
+        out.update(measured)
+        out["tokens_per_s"] = demo.tokens_per_s(r.s, out["ms_per_step"])
+        out["side_by_side"] = {"rounds": rounds, "steps": steps}
+
+
+def _collage_warnings(rec: list[warnings.WarningMessage]) -> list[str]:
+    """The CollageWarnings recorded; the others are shown, not ours to swallow."""
+    for w in rec:
+        if not issubclass(w.category, collage_compile.CollageWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -193,6 +228,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--strategies", default=",".join(STRATEGIES), help="a comma-separated subset of these"
     )
     ap.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=10,
+        help="after training, time the strategies side by side: this many rounds of "
+        "--timing-steps steps of each in turn (0: time the training steps instead)",
+    )
+    ap.add_argument("--timing-steps", type=int, default=10)
+    ap.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -222,6 +265,21 @@ def profile_lines(r: dict[str, Any], top: int = 6) -> str:
     return f"{r['strategy']} profiled ({p['steps']} steps), per step: {regions}\n  host: {ops}"
 
 
+def _timing_note(s: demo.Settings, args: argparse.Namespace) -> str:
+    if args.timing_rounds:
+        when = (
+            f"measured after training, {args.timing_rounds} rounds of {args.timing_steps} steps "
+            "of each strategy in turn; each the 20th percentile"
+        )
+    else:
+        when = "each the 20th percentile of the training steps after the first 3 (which compile)"
+    return (
+        "step ms: train step (forward, backward, clipping, optimizer); opt ms: the optimizer "
+        f"step; fwd+bwd ms: the rest; {when}. peak memory: CUDA only."
+        + (" With so few steps these timings are a smoke test." if s.steps < 50 else "")
+    )
+
+
 def settings(args: argparse.Namespace) -> demo.Settings:
     return demo.Settings.from_args(
         args, schedule="cosine", beta1=0.9, beta2=0.95, metrics=False, compile_forward=False
@@ -249,22 +307,15 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(header, flush=True)
     strategies = [k for k in STRATEGIES if k in args.strategies.split(",")]
     t0 = time.perf_counter()
-    results = []
+    runs = []
     for k in strategies:  # each row as it comes: a run stopped at a time limit keeps them
-        results.append(train_one(k, init, train, val, s, args.cudagraphs, demo._progress()))
-        print(table(results).splitlines()[-1], flush=True)
+        runs.append(train_one(k, init, train, val, s, args.cudagraphs, demo._progress()))
+        print(table([out for out, _ in runs]).splitlines()[-1], flush=True)
+    if args.timing_rounds:
+        side_by_side(runs, args.timing_rounds, args.timing_steps)
+    results = [out for out, _ in runs]
     text = table(results)
-    print(
-        f"\n{text}\nstep ms: train step (forward, backward, clipping, optimizer); opt ms: the "
-        "optimizer step; fwd+bwd ms: the rest; each the 20th percentile of the steps after "
-        "the first 3 (which compile). peak memory: CUDA only."
-        + (
-            f" With {s.steps} steps these timings are a smoke test, not a measurement."
-            if s.steps < 50
-            else ""
-        ),
-        flush=True,
-    )
+    print(f"\n{text}\n{_timing_note(s, args)}", flush=True)
     for r in results:
         if r["profile"] is not None:
             print(profile_lines(r))
@@ -278,6 +329,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         {
             "settings": dataclasses.asdict(s),
             "cudagraphs": args.cudagraphs,
+            "side_by_side": {"rounds": args.timing_rounds, "steps": args.timing_steps},
             "n_params": n_params,
             "torch": torch.__version__,
             "total_s": time.perf_counter() - t0,

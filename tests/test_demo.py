@@ -110,7 +110,8 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     Face Llama, each strategy a few steps under HF's cosine schedule with clipping; every
     row is there with finite numbers, its time columns add up, its state is what the
     strategy keeps, and no collage strategy gave a CollageWarning; ``--profile-steps``
-    profiles two steps of each, untimed.  With ``--cudagraphs``,
+    profiles two steps of each, untimed; the times are measured after training, the
+    strategies side by side.  With ``--cudagraphs``,
     as on the GPU: every collage step after the one that compiles and the one that is
     recorded is a replay of the whole step (:mod:`collage_compile.replay`)."""
     pytest.importorskip("transformers")
@@ -119,7 +120,7 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
     argv = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
     argv += ["--block-size", "16", "--batch-size", "4", "--eval-every", "3"]
     argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path), "--cudagraphs"]
-    argv += ["--profile-steps", "2"]
+    argv += ["--profile-steps", "2", "--timing-rounds", "2", "--timing-steps", "2"]
     result = demo_llama.run(argv)
     saved = json.loads((tmp_path / "train_llama.json").read_text())
     assert saved["table"] == result["table"]
@@ -139,6 +140,10 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
         assert f"{name} profiled (2 steps), per step: fwd+bwd" in demo_llama.profile_lines(r)
         assert r["bytes_per_param"] == pytest.approx(state[name], abs=0.01), name
         assert 0 < r["opt_ms_per_step"] < r["ms_per_step"], name
+        # timed side by side after training (two rounds of two steps each), the training's
+        # own times kept
+        assert r["side_by_side"] == {"rounds": 2, "steps": 2}, name
+        assert 0 < r["training_times"]["opt_ms_per_step"] < r["training_times"]["ms_per_step"]
         assert r["tokens_per_s"] == pytest.approx(4 * 16 / (r["ms_per_step"] / 1e3)), name
         if name.startswith("collage"):
             assert r["collage_warnings"] == [], name
