@@ -18,9 +18,10 @@ matrices only), ``get_cosine_schedule_with_warmup`` from lr = 0, ``clip_grad_nor
 It prints, per strategy: validation loss and its gap to fp32-amp, tokens/s, the train step's
 time, the optimizer step's and forward + backward's, peak memory (CUDA), bytes per parameter
 kept, and the CollageWarnings the run gave.  The times are measured after training, side by
-side: rounds of a few steps of each strategy in turn (``--timing-rounds``), so that a machine
-whose speed drifts over minutes slows every strategy alike.  The loop, data and measurements are the GPT
-demo's (:mod:`collage_compile.demo`): text shipped with Python, no download.
+side: rounds of a few steps of each strategy in turn (``--timing-rounds``), so that a
+machine whose speed drifts over minutes slows every strategy alike.  The loop, data and
+measurements are the GPT demo's (:mod:`collage_compile.demo`): text shipped with Python, no
+download.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def train_one(
     s: demo.Settings,
     cudagraphs: bool,
     progress: Callable[..., Any],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], demo._Run]:
     """One strategy from the shared bf16 init; its numbers and the CollageWarnings given,
     and the run, kept for the side-by-side timing (:func:`side_by_side`).  Its peak memory
     is counted above what the strategies before it still hold."""
