@@ -302,7 +302,7 @@ def _compile_rewritten(
     if measured:
         rewrite.add_metrics_output(gm, measured)
     passes.finalize(gm)
-    scalars = rewrite.scalars_as_static_inputs(gm, fake_mode) if config.cudagraphs else []
+    inputs, scalars, host = rewrite.capture_inputs(gm, fake_mode, example_inputs, config.cudagraphs)
     gm.graph.lint()
     gm.recompile()
     log.debug(
@@ -313,10 +313,6 @@ def _compile_rewritten(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
-    inputs = list(example_inputs)
-    for i, fake in scalars:
-        inputs[i] = fake
-    host = rewrite.host_reads(gm) if config.cudagraphs == "step" else None
     compiled = _compat.compile_with_inductor(
         gm, [*inputs, *lo_examples], _inductor_patches(config), config.inductor_cudagraphs
     )

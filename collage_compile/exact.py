@@ -94,15 +94,10 @@ def compile_exact(
             rewrite.add_metrics_output(gm, measured)
     scalars.run(gm)
     step_size.run(gm, exact=True)
-    # a step captured whole reads each scheduled float from a tensor of its own
-    statics = rewrite.scalars_as_static_inputs(gm, fake_mode) if config.cudagraphs else []
+    inputs, statics, host = rewrite.capture_inputs(gm, fake_mode, example_inputs, config.cudagraphs)
     gm.graph.lint()
     gm.recompile()
     rem_examples = [_compat.example_value(a.lo_node) for a in with_rem]
-    inputs = list(example_inputs)
-    for i, fake in statics:
-        inputs[i] = fake
-    host = rewrite.host_reads(gm) if config.cudagraphs == "step" else None
     compiled = _compat.compile_with_inductor(
         gm,
         [*inputs, *rem_examples],

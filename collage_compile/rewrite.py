@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -522,6 +522,20 @@ def scalars_as_static_inputs(gm: fx.GraphModule, fake_mode: Any) -> list[tuple[i
     return out
 
 
+def capture_inputs(
+    gm: fx.GraphModule, fake_mode: Any, example_inputs: Sequence[Any], cudagraphs: Any
+) -> tuple[list[Any], list[tuple[int, Any]], tuple[frozenset[int], list[str]] | None]:
+    """What a captured step needs of a rewritten graph before Inductor compiles it: with
+    ``cudagraphs``, each scheduled float read from a tensor of its own
+    (:func:`scalars_as_static_inputs`); the example inputs with those tensors' examples;
+    for the whole-step replay (``"step"``), :func:`host_reads`, else None."""
+    statics = scalars_as_static_inputs(gm, fake_mode) if cudagraphs else []
+    inputs = list(example_inputs)
+    for i, fake in statics:
+        inputs[i] = fake
+    return inputs, statics, host_reads(gm) if cudagraphs == "step" else None
+
+
 def host_reads(gm: fx.GraphModule) -> tuple[frozenset[int], list[str]]:
     """The inputs ``gm`` does not read, and the CPU tensors it holds as attributes (a
     step count kept on the CPU): a capture of the whole step holds its CPU work at one
@@ -572,9 +586,10 @@ def _tensor_reads(x: fx.Node, devices: set[Any]) -> bool:
     chains' and ``passes.scalars``' tensors), or a positional operand of arithmetic with a
     tensor (``lr / bias_correction1`` of a single-tensor step, ``t.div_(lr)``), which the
     tensorification turns into tensor ops on the input; Python arithmetic on it is
-    followed, and left dead (read by nothing) it is erased before Inductor.  A float the tensorification
-    cannot turn into tensors is specialized and guarded (or the frame restarts with it a
-    constant): :func:`_compat.float_guards` checks that after the compile."""
+    followed, and left dead (read by nothing) it is erased before Inductor.  A float the
+    tensorification cannot turn into tensors is specialized and guarded (or the frame
+    restarts with it a constant): :func:`_compat.float_guards` checks that after the
+    compile."""
     for use in x.users:
         device = hyperparameter_device(use)
         if device is not None:
