@@ -204,14 +204,12 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
     if all(id(p) in _limit_named for p in params):
         return  # the recompile-limit warning named them already
     shown = _param_names(optimizer, params)
-    opt = type(optimizer).__name__
-    dtype = str(params[0].dtype).replace("torch.", "")
     warn_once(
         ("eager-step", str(id(optimizer))),
-        f"collage: {opt}.step ran without a graph compiled by the collage backend: "
-        f"{len(params)} of its {carrying} parameters that carry a (hi, lo) pair ({shown}) were "
-        f"updated in plain {dtype} arithmetic, which drops updates below half an ulp. "
-        f"Cause: {_cause(params)}. Their lo is kept and the next compiled step resumes from hi + lo. "
+        f"collage: {type(optimizer).__name__}.step ran without a graph compiled by the collage "
+        f"backend: {len(params)} of its {carrying} parameters that carry a (hi, lo) pair "
+        f"({shown}) {_updated_plainly(params)}. Cause: {_cause(params)}. Their lo is kept "
+        "and the next compiled step resumes from hi + lo. "
         f"To stay compensated, call the compiled step every time "
         f"(step = torch.compile(opt.step, backend=collage_compile.backend), or "
         f"collage_compile.compile_optimizer(opt)).",
@@ -248,16 +246,25 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         return
     if all(state.get_lo(p) is not None for p in low):
         return  # carrying pairs: _eager_step named them
-    opt = type(optimizer).__name__
-    dtype = str(low[0].dtype).replace("torch.", "")
+    dtype = _dtype(low)
     warn_once(
         ("uncompiled-step", str(id(optimizer))),
-        f"collage: {opt}.step was compiled by compile_optimizer, but this step ran without "
-        f"a graph compiled by the collage backend: {len(low)} of its {dtype} parameters with a "
-        f"gradient ({_param_names(optimizer, low)}) were updated in plain {dtype} "
-        f"arithmetic, which drops updates below half an ulp. Cause: "
-        f"{_limit_of_class(optimizer) or _cause(low)}.",
+        f"collage: {type(optimizer).__name__}.step was compiled by compile_optimizer, but "
+        f"this step ran without a graph compiled by the collage backend: {len(low)} of its "
+        f"{dtype} parameters with a gradient ({_param_names(optimizer, low)}) "
+        f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
         stacklevel=4,
+    )
+
+
+def _dtype(params: list[Any]) -> str:
+    return str(params[0].dtype).replace("torch.", "")
+
+
+def _updated_plainly(params: list[Any]) -> str:
+    """What a step without a collage graph did to ``params``, in both warnings' words."""
+    return (
+        f"were updated in plain {_dtype(params)} arithmetic, which drops updates below half an ulp"
     )
 
 
