@@ -1,13 +1,14 @@
 """Optimizer step speed, memory and compile time against the alternatives, side by side.
 
-    python -m benchmarks.step [--size small|cpu|gpu] [--device cpu|cuda] [--no-foreach]
+    python -m benchmarks.step [--size small|cpu|gpu|demo] [--device cpu|cuda] [--no-foreach]
                               [--variants fused light plus exact cudagraphs eager others]
                               [--shapes same|gpt|llama --count 300]
                               [--threads N] [--clock wall|cpu] [--rounds 15] [--jobs N]
-                              [--json PATH] [--plot PATH]
+                              [--new-grads] [--json PATH] [--plot PATH]
 
-One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``)
-and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
+One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``;
+``--size demo``: the 75 parameters of ``examples/train_llama.py``'s Llama, 25.17M) and one
+stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
 
 * ``fp32 master``: (16, 32) mixed precision.  fp32 master weights, fp32 grads and state,
   compiled with plain Inductor; the step also writes the bf16 model copy the forward pass
@@ -31,6 +32,11 @@ persistent bytes/param (measured from the tensors), peak memory during a step, c
 time (a fresh Inductor cache directory per run) and the kernels / parallel loop nests read
 from the generated code.
 
+``--new-grads``: every step's gradients are new tensors (two sets, alternated), as a
+training loop's ``zero_grad()`` and ``backward()`` make them; a whole-step replay then copies
+them into the captured ones (4 bytes a parameter more than its floor), as in the demo.
+Without it the gradients stay the same tensors from step to step.
+
 Compiles: with ``--jobs N`` > 1 (on CUDA the default is up to 8), each compiled variant is
 first compiled cold in a process of its own, N at a time, into the run's cache; the table's
 compile time is that process's, and this process then compiles each from the cache.  A
@@ -45,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import platform
@@ -80,6 +87,7 @@ class Variant:
     step: Callable[[], Any]
     tensors: Callable[[], list[torch.Tensor]]  # everything the step keeps between steps
     floor: int | None  # bytes/param the step must move (None: not counted)
+    params: list[torch.Tensor]  # the tensors whose gradients the step reads
     compiled: bool = True
     compile_s: float | None = None
     kernels: int | None = None
@@ -185,7 +193,8 @@ def _factories(
             los += [collage_compile.components(t)[1] for t in _state_tensors(opt)]
             return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
 
-        return [Variant(name, torch.compile(opt.step, backend=backend, mode=mode), tensors, floor)]
+        step = torch.compile(opt.step, backend=backend, mode=mode)
+        return [Variant(name, step, tensors, floor, ps)]
 
     out: dict[str, Callable[[], list[Variant]]] = {
         MASTER: lambda: [_master(shapes, device, foreach)],
@@ -236,12 +245,13 @@ def _master(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> Varian
         torch.compile(step32, backend="inductor"),
         lambda: [*master, *model, *_state_tensors(opt32)],
         FLOOR_BYTES["fp32"],
+        master,
     )
 
 
 def _eager(shapes: list[tuple[int, ...]], device: str) -> Variant:
     ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
-    return Variant("eager Collage (ref)", ref.step, ref.tensors, 18, compiled=False)
+    return Variant("eager Collage (ref)", ref.step, ref.tensors, 18, ref.params, compiled=False)
 
 
 def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) -> Variant:
@@ -254,7 +264,7 @@ def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) 
         los = [collage_compile.components(t)[1] for t in [*ps, *_state_tensors(opt)]]
         return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
 
-    return Variant(name, opt.step, tensors, FLOOR_BYTES[mode])
+    return Variant(name, opt.step, tensors, FLOOR_BYTES[mode], ps)
 
 
 def _fused32(shapes: list[tuple[int, ...]], device: str) -> Variant:
@@ -274,6 +284,7 @@ def _fused32(shapes: list[tuple[int, ...]], device: str) -> Variant:
         step32,
         lambda: [*master, *model, *_state_tensors(opt32)],
         FLOOR_BYTES["fp32"],
+        master,
         compiled=False,
     )
 
@@ -287,6 +298,7 @@ def _fused16(shapes: list[tuple[int, ...]], device: str) -> Variant:
         opt16.step,
         lambda: [*ps, *_state_tensors(opt16)],
         FLOOR_BYTES["bf16"],
+        ps,
         compiled=False,
     )
 
@@ -311,6 +323,7 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
                 opt.step,
                 lambda ps=ps, opt=opt: [*ps, *_state_tensors(opt)],
                 FLOOR_BYTES["light"],
+                ps,
                 compiled=False,
             )
         )
@@ -328,6 +341,7 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
                 opt.step,
                 lambda ps=ps, opt=opt: [*ps, *_state_tensors(opt)],
                 FLOOR_BYTES["bf16"],
+                ps,
                 compiled=False,  # torchao compiles its own step internally
             )
         )
@@ -469,10 +483,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):
         raise SystemExit("--clock cpu measures one thread's CPU time: use --threads 1 on cpu")
-    if args.shapes:
-        shapes = family_shapes(args.shapes, args.count)
-    else:
-        shapes = layer_shapes(*SIZES[args.size])
+    shapes = _shapes(args)
     n = sum(torch.Size(s).numel() for s in shapes)
     _warm_up_inductor(args.device)
     if args.compile_only:
@@ -492,6 +503,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{v.name}: not replayed ({whole.refused})", file=sys.stderr)
         here = f" (here, from the cache: {v.compile_here_s:.1f} s)" if v.name in cold else ""
         print(f"compiled {v.name}: {v.compile_s or 0:.1f} s{here}", file=sys.stderr, flush=True)
+        if args.new_grads:
+            v.step = _with_new_grads(v.step, v.params)
     copy_fn, copy_bytes = copy_bandwidth_step(n, args.device)
     copy_fn()
     copy_samples: list[float] = []
@@ -548,6 +561,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": n,
         "tensors": len(shapes),
         "foreach": args.foreach,
+        "new_grads": args.new_grads,
         "rounds": args.rounds,
         "jobs": jobs if cold else 1,
         "compile": (
@@ -560,6 +574,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "copy_GBps": copy_gbs,
         "rows": rows,
     }
+
+
+def _shapes(args: argparse.Namespace) -> list[tuple[int, ...]]:
+    if args.shapes:
+        return family_shapes(args.shapes, args.count)
+    if args.size == "demo":
+        from collage_compile import demo_llama
+
+        return demo_llama.parameter_shapes()
+    return layer_shapes(*SIZES[args.size])
+
+
+def _with_new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], Any]:
+    """``step`` with new gradient tensors before each call: the ones it has and copies of
+    them, in turn (``--new-grads``)."""
+    sets = itertools.cycle([[p.grad.clone() for p in params], [p.grad for p in params]])
+
+    def stepped() -> Any:
+        for p, g in zip(params, next(sets)):
+            p.grad = g
+        return step()
+
+    return stepped
 
 
 def _machine(device: str) -> str:
@@ -580,7 +617,9 @@ def format_table(res: dict[str, Any]) -> str:
 
     lines = [
         f"AdamW step, {res['params'] / 1e6:.2f}M params in {res['tensors']} tensors, "
-        f"foreach={res['foreach']}, {res['device']} ({res['machine']}), torch {res['torch']}, "
+        f"foreach={res['foreach']}, "
+        + ("new gradient tensors every step, " if res.get("new_grads") else "")
+        + f"{res['device']} ({res['machine']}), torch {res['torch']}, "
         f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "
         f"{res['steps_per_sample']} steps ({res['clock']}); copy bandwidth "
         f"{res['copy_GBps']:.1f} GB/s"
@@ -621,7 +660,12 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=SIZES, default="cpu")
+    ap.add_argument(
+        "--size",
+        choices=[*SIZES, "demo"],
+        default="cpu",
+        help="GPT layers (metrics_overhead.SIZES); demo: examples/train_llama.py's parameters",
+    )
     ap.add_argument(
         "--shapes",
         choices=FAMILIES,
@@ -654,6 +698,11 @@ def main() -> None:
         default=0,
         help="compile the variants cold in this many processes at once, then here from their "
         "cache (0: up to 8 on CUDA, 1 on a CPU)",
+    )
+    ap.add_argument(
+        "--new-grads",
+        action="store_true",
+        help="new gradient tensors every step, as zero_grad() and backward() make them",
     )
     ap.add_argument("--compile-only", metavar="VARIANT", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")

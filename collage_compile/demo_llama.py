@@ -73,6 +73,15 @@ class ByteLlama(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def parameter_shapes(argv: Sequence[str] = ()) -> list[tuple[int, ...]]:
+    """The shapes of the model's parameters at these arguments (default: the demo's 75
+    tensors, 25.17M parameters), in order; built on the meta device, so nothing is
+    allocated (``benchmarks.step --size demo`` times the optimizer step on them)."""
+    with torch.device("meta"):
+        model = ByteLlama(settings(parse_args(list(argv))))
+    return [tuple(p.shape) for p in model.parameters()]
+
+
 def _adamw(s: demo.Settings, params: dict[str, torch.Tensor], **kw: Any) -> torch.optim.AdamW:
     groups = demo.param_groups(params, s.weight_decay)
     return torch.optim.AdamW(groups, lr=s.lr, betas=(s.beta1, s.beta2), **kw)

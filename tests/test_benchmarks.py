@@ -61,6 +61,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
     # each compiled variant cold in a process of its own, two at a time (CUDA's default, so
     # that --size gpu finishes), then here from their cache
     cmd += ["--jobs", "2", "--json", str(out), "--plot", str(tmp_path / "step.png")]
+    cmd += ["--new-grads"]  # as a training loop makes them (the demo's optimizer step)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -68,6 +69,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
 
     assert list(rows) == [n for n in STATE_BYTES if _installed(OPTIONAL.get(n, "torch"))]
     assert "collage light" in proc.stdout and "ms/step" in proc.stdout  # the table
+    assert res["new_grads"] and "new gradient tensors every step" in proc.stdout
     assert (tmp_path / "step.png").stat().st_size > 0
     n = res["params"]
     plain, fp32 = rows["plain bf16"]["ms_per_step"], rows["fp32 master (16,32)"]["ms_per_step"]
@@ -102,6 +104,35 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
     for name in ("plain bf16", "collage light", "collage plus", "collage exact"):
         assert rows[name]["kernels"] == 1, name
     assert res["params"] == sum(torch.Size(s).numel() for s in _tiny_shapes())
+
+
+def test_new_grads_gives_each_step_new_gradient_tensors_of_the_same_values():
+    """``--new-grads``: each call sees other gradient tensors than the call before it, as
+    after ``zero_grad()`` and ``backward()``, and the same values (the steps stay alike)."""
+    from benchmarks import step
+
+    ps = step.make_params(_tiny_shapes()[:3], "cpu", torch.bfloat16)
+    first = [p.grad for p in ps]
+    seen = []
+    stepped = step._with_new_grads(lambda: seen.append([p.grad for p in ps]), ps)
+    for _ in range(3):
+        stepped()
+    for a, b in zip(seen, seen[1:]):
+        assert all(x is not y and torch.equal(x, y) for x, y in zip(a, b))
+    assert all(map(torch.equal, seen[0], first))
+
+
+def test_the_demo_size_is_the_llama_demos_parameters():
+    """``--size demo`` times the optimizer step on the parameters of
+    ``examples/train_llama.py`` at its defaults: 75 tensors, 25.17M parameters (the counts
+    README and docs/speed.md give for it)."""
+    from collage_compile import demo_llama
+
+    shapes = demo_llama.parameter_shapes()
+    assert len(shapes) == 75
+    assert sum(torch.Size(s).numel() for s in shapes) == 25_174_528
+    assert shapes[0] == shapes[-1] == (256, 512)  # the embedding and the untied head
+    assert demo_llama.parameter_shapes(["--n-layer", "2"]) == shapes[:19] + shapes[-2:]
 
 
 def _tiny_shapes() -> list[tuple[int, ...]]:

@@ -3,8 +3,8 @@
 # minutes of device time; a machine start took 30 s on 2026-11-26 and the machine goes
 # back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/):
 #   bash tools/gpu_check.sh tests llama_cg   # about 5 minutes
-#   bash tools/gpu_check.sh host step        # then at once, at most 9 minutes
-#   bash tools/gpu_check.sh suite probe      # the others, in a later session
+#   bash tools/gpu_check.sh step_demo host   # then at once, about 6 minutes
+#   bash tools/gpu_check.sh step suite probe # the others, in a later session
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
@@ -28,6 +28,10 @@
 #   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
 #              whole-step replays included (H200, 2026-11-27, cold: 110 s)
+#   step_demo  benchmarks.step on the demo's 75 parameters (25.17M), new gradient tensors
+#              every step as in training: the optimizer step against torch's fused AdamW
+#              (fp32 and bf16), uncaptured and replayed, side by side with little noise
+#              (issue 26's "printed by benchmarks.step"; not yet run) (240 s)
 #   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
 #              compiles 60-70 s there, plain Inductor 30 s, one after another; now each
 #              variant compiles cold in a process of its own, 8 at a time) (300 s)
@@ -66,6 +70,8 @@ run() {
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
     probe) part 120 probe.log python3 tools/probe_exact.py --code "$out/probe_code.txt" ;;
     suite) part 540 suite.log python3 -m pytest -n 14 -q -rfs --tb=short --durations=15 ;;
+    step_demo) part 240 step_demo.log python3 -m benchmarks.step --device cuda --size demo \
+        --new-grads --variants fused light plus cudagraphs --json "$out/step_demo.json" ;;
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
         --variants fused light plus cudagraphs --json "$out/step.json" ;;
     host) part 230 host.log python3 -m benchmarks.host --device cuda --tensors 75 --schedule \
