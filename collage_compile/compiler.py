@@ -646,11 +646,13 @@ class _LoInputs:
             args[idx] = t  # type: ignore[index]
         return args  # type: ignore[return-value]
 
-    def replay_blocker(self) -> str | None:
+    def replay_blocker(self, tensors: list[torch.Tensor] | None = None) -> str | None:
         """Why a replay of this call would not be the call it replaces (the registry's
         pairs changed, a tensor moved to new storage, or one was written from outside
-        since the last call; each is handled by a call), else None."""
-        tensors = self._attr_tensors()
+        since the last call; each is handled by a call), else None.  ``tensors``: the
+        graph's own, where the caller holds them and knows them in place."""
+        if tensors is None:
+            tensors = self._attr_tensors()
         if self._epoch != state.epoch():
             return "the tensors carrying a pair changed"
         if list(map(_DATA_PTR, tensors)) != self._ptrs:

@@ -11,11 +11,14 @@ next step is captured whole, as one CUDA graph; every step after it is
     checks       the step would call the same graphs on the same tensors: the same
                  param_groups, parameters, optimizer state and hyperparameters, the same
                  gradients present, no hooks, and per graph the registry's pairs and no
-                 write from outside since its last call (each a pass over a list, in C)
+                 write from outside since its last call (each a pass over a list, in C);
+                 once the parameters and gradients passed, gradients that are new tensors
+                 (``zero_grad(set_to_none=True)``) are copied into the captured ones, one
+                 ``_foreach_copy_``, so that the device copies while the host checks the
+                 rest (a copy a later check makes useless is harmless: only a replay reads
+                 the captured gradients)
     refresh      each float the graphs read from a tensor of their own (a scheduled lr,
-                 :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``;
-                 gradients that are new tensors (``zero_grad(set_to_none=True)``) copied
-                 into the captured ones, one ``_foreach_copy_``
+                 :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``
     replay       one CUDA graph launch (on a CPU: each recorded graph called directly)
     bookkeeping  what the graphs' wrappers do besides the graph (versions, the watch)
 
@@ -111,12 +114,15 @@ class WholeStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.plan
         if plan is not None:
-            why = "the step was called with arguments" if args or kwargs else plan.stale()
+            why = "the step was called with arguments" if args or kwargs else None
+            # the caller capturing a graph of its own: the step runs compiled, into it
             if why is None and not plan.inside_a_capture():
-                plan.run()
-                self.replays += 1
-                self.missed = 0
-                return None
+                why = plan.stale(copy_grads=True)
+                if why is None:
+                    plan.run()
+                    self.replays += 1
+                    self.missed = 0
+                    return None
             log.debug("collage: step run as compiled, not replayed: %s", why)
             if why is not None and len(self.given_way) < 100:
                 self.given_way.append(why)
@@ -188,7 +194,7 @@ class WholeStep:
         """Capture this call of the step as one CUDA graph, then replay it: a capture
         runs no kernel, so the replay is this step."""
         global recording, capturing
-        pending.refresh(grads=False)  # the floats the graphs read, set before the capture
+        pending.refresh()  # the floats the graphs read, set before the capture
         graph = torch.cuda.CUDAGraph()
         before, calls, failed = _compiles, [], None
         recording, capturing = calls, True
@@ -351,9 +357,8 @@ class _Plan:
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
         self._grad_shards()
-        self.grads_now: list[Any] = []
         self._state_columns()
-        self.wrappers_with_pairs = [w for w, r in zip(self.wrappers, roles) if r == "pairs"]
+        self._pair_checks([w for w, r in zip(self.wrappers, roles) if r == "pairs"])
 
     def _grad_shards(self) -> None:
         """FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
@@ -435,22 +440,36 @@ class _Plan:
                 raise _Refused(f"its compile guards on {expr}, which a replay cannot check")
             self.guards.append((fn, [paths[s] for s in symbols], str(expr)))
 
+    def _pair_checks(self, wrappers: list[Any]) -> None:
+        """Per graph that updates pairs, the tensors its check reads: the ones it holds
+        (weak references) where they are all parameters or state values, which the plan
+        holds and :meth:`stale` has found in place by then; else None (the graph reads its
+        own)."""
+        held = set(map(id, itertools.chain(self.params, self.state_values)))
+        self.pair_checks = []
+        for wrapper in wrappers:
+            tensors = wrapper._attr_tensors()
+            known = all(id(t) in held for t in tensors)
+            self.pair_checks.append((wrapper, tensors if known else None))
+
     def _state_columns(self) -> None:
-        """The optimizer's state as it is: its dict, each parameter's, every value."""
+        """The optimizer's state as it is: its dict and every value of each parameter's."""
         state = self.state_obj = self.optimizer.state
-        self.state_dicts = list(state.values())
-        if len(state) != len(self.state_dicts) or any(
-            type(d) is not dict for d in self.state_dicts
-        ):
+        dicts = list(state.values())
+        if any(type(d) is not dict for d in dicts):
             raise _Refused("its optimizer state is not a dict per parameter")
-        self.state_values = list(itertools.chain.from_iterable(map(dict.values, self.state_dicts)))
+        self.state_values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
         if not all(isinstance(v, torch.Tensor) for v in self.state_values):
             raise _Refused(
                 "its optimizer state holds a Python value, which a replay would not update"
             )
 
-    def stale(self) -> str | None:
-        """Why a replay would not be the step Dynamo would run now, else None."""
+    def stale(self, copy_grads: bool = False) -> str | None:
+        """Why a replay would not be the step Dynamo would run now, else None.  With
+        ``copy_grads``, new gradient tensors are copied into the captured ones as soon as
+        the parameters and gradients passed, before the other checks: the device copies
+        while the host checks.  A copy that a later check makes useless is harmless: only
+        a replay reads the captured gradients, and a step run compiled records new ones."""
         opt = self.optimizer
         if _hooks(opt):
             return "step hooks"
@@ -458,11 +477,13 @@ class _Plan:
         params = list(itertools.chain.from_iterable(g["params"] for g in groups))
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return "param_groups changed"
-        grads = self.grads_now = list(map(_GRAD, params))
+        grads = list(map(_GRAD, params))
         if list(map(_IS_NONE, grads)) != self.none:
             return "a parameter's gradient appeared or went"
         if self.grad_specs and self._sharded_differently(grads):
             return "a gradient is sharded differently"
+        if copy_grads:
+            self._copy_grads(grads)
         if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
             return "a hyperparameter changed"
         for fn, where, text in self.guards:
@@ -471,8 +492,8 @@ class _Plan:
         why = self._state_changed()
         if why is not None:
             return why
-        for wrapper in self.wrappers_with_pairs:
-            why = wrapper.replay_blocker()
+        for wrapper, tensors in self.pair_checks:
+            why = wrapper.replay_blocker(tensors)
             if why is not None:
                 return why
         return None
@@ -487,14 +508,16 @@ class _Plan:
 
     def _state_changed(self) -> str | None:
         """``load_state_dict`` replaces ``optimizer.state``; a value replaced by hand shows
-        in the values, all of them read in one pass (never by a tensor key:
-        ``Tensor.__hash__`` is a Python call)."""
+        in the values, all of them read in one pass over the dicts the state holds now
+        (never by a tensor key: ``Tensor.__hash__`` is a Python call).  A parameter's dict
+        replaced by one with the same tensors is the same step."""
         state = self.optimizer.state
-        if state is not self.state_obj or not all(
-            map(operator.is_, state.values(), self.state_dicts)
-        ):
+        if state is not self.state_obj:
             return "the optimizer's state changed (load_state_dict?)"
-        values = list(itertools.chain.from_iterable(map(dict.values, self.state_dicts)))
+        try:
+            values = list(itertools.chain.from_iterable(map(dict.values, state.values())))
+        except TypeError:  # a parameter's state is no longer a dict
+            return "the optimizer's state changed"
         if len(values) != len(self.state_values) or not all(
             map(operator.is_, values, self.state_values)
         ):
@@ -506,22 +529,24 @@ class _Plan:
         into that graph."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def refresh(self, grads: bool = True) -> None:
-        """The floats the graphs read, filled from param_groups; with ``grads``, the
-        gradients :meth:`stale` read, copied into the recorded ones where they are new
-        tensors."""
-        groups = self.optimizer.param_groups
-        for t, g, keys in self.scalars:
-            t.fill_(_lookup(groups, g, keys))
-        if grads and self.static_grads:
-            now = list(map(self.grads_now.__getitem__, self.grad_index))
+    def _copy_grads(self, grads: list[Any]) -> None:
+        """The parameters' gradients (``grads``, in parameter order) copied into the
+        recorded ones where they are new tensors."""
+        if self.static_grads:
+            now = list(map(grads.__getitem__, self.grad_index))
             if not all(map(operator.is_, now, self.static_grads)):
                 if self.grad_specs:  # DTensors: their shards (a Python call each)
                     now = list(map(_compat.local_tensor, now))
                 torch._foreach_copy_(self.static_locals, now)
-        self.grads_now = []  # not kept to the next step (a gradient set at peak memory)
+
+    def refresh(self) -> None:
+        """The floats the graphs read, filled from param_groups."""
+        groups = self.optimizer.param_groups
+        for t, g, keys in self.scalars:
+            t.fill_(_lookup(groups, g, keys))
 
     def run(self) -> None:
+        """The replay, after :meth:`stale` passed and copied the gradients."""
         self.refresh()
         if self.graph is not None:
             self.graph.replay()

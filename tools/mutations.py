@@ -261,23 +261,26 @@ def _apply(name):
     elif name == "replay_stale_lr":  # a replay keeps the lr of the recorded step
         from collage_compile import replay
 
-        replay._Plan.refresh = lambda self, grads=True: None
+        replay._Plan.refresh = lambda self: None
     elif name == "replay_stale_grads":  # a replay reads the recorded step's gradients
         from collage_compile import replay
 
-        replay._Plan.refresh = lambda self, grads=True: [
-            t.fill_(replay._lookup(self.optimizer.param_groups, g, k)) for t, g, k in self.scalars
-        ]
-    elif name == "replay_never_gives_way":  # a replay runs whatever changed
-        from collage_compile import replay
+        replay._Plan._copy_grads = lambda self, grads: None
+    elif name == "replay_never_gives_way":  # a replay runs whatever changed (new gradients
+        from collage_compile import replay  # still copied where they fit)
 
-        replay._Plan.stale = lambda self: None
+        def stale(self, copy_grads=False):
+            grads = [p.grad for p in self.params]
+            if copy_grads and [g is None for g in grads] == self.none:
+                self._copy_grads(grads)
+
+        replay._Plan.stale = stale
     elif name == "replay_misses_silently":  # a replay that keeps giving way is not named
         from collage_compile import replay
 
         replay.WholeStep._missed = lambda self, why: None
     elif name == "replay_ignores_outside_writes":  # only the per-graph check skipped
-        compiler._LoInputs.replay_blocker = lambda self: None
+        compiler._LoInputs.replay_blocker = lambda self, tensors=None: None
     elif name == "keep_float_specializations":  # torch's tensorify mark outlives a graph
         from collage_compile import _compat
 
