@@ -14,6 +14,7 @@ that they are skipped cleanly when absent is checked without them.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -117,7 +118,7 @@ def test_new_grads_gives_each_step_new_gradient_tensors_of_the_same_values():
     stepped = step._with_new_grads(lambda: seen.append([p.grad for p in ps]), ps)
     for _ in range(3):
         stepped()
-    for a, b in zip(seen, seen[1:]):
+    for a, b in itertools.pairwise(seen):
         assert all(x is not y and torch.equal(x, y) for x, y in zip(a, b))
     assert all(map(torch.equal, seen[0], first))
 
