@@ -157,6 +157,7 @@ class EagerCollageAdamW:
 
 
 FUSED32 = "fp32 fused (16,32)"
+FUSED16 = "bf16 fused"
 MASTER = "fp32 master (16,32)"
 OPTIONAL = ("fused", "light", "plus", "exact", "cudagraphs", "eager", "others")
 
@@ -202,7 +203,7 @@ def _factories(
     }
     if "fused" in only:
         out[FUSED32] = lambda: [_fused32(shapes, device)]
-        out["bf16 fused"] = lambda: [_fused16(shapes, device)]
+        out[FUSED16] = lambda: [_fused16(shapes, device)]
     for mode in ("light", "plus", "exact"):
         if mode in only:
             out[f"collage {mode}"] = functools.partial(
@@ -294,7 +295,7 @@ def _fused16(shapes: list[tuple[int, ...]], device: str) -> Variant:
     ps = make_params(shapes, device, torch.bfloat16)
     opt16 = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
     return Variant(
-        "bf16 fused",
+        FUSED16,
         opt16.step,
         lambda: [*ps, *_state_tensors(opt16)],
         FLOOR_BYTES["bf16"],
@@ -541,6 +542,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vs_fp32_master": t / med["fp32 master (16,32)"],
                 "vs_plain_bf16": t / med["plain bf16"],
                 "vs_fused_fp32": t / med[FUSED32] if FUSED32 in med else None,
+                "vs_fused_bf16": t / med[FUSED16] if FUSED16 in med else None,
                 "floor_bytes_per_param": v.floor,
                 "floor_GBps": gbs,
                 "of_copy_bandwidth": gbs / copy_gbs if gbs else None,
@@ -625,7 +627,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"{res['copy_GBps']:.1f} GB/s"
         + ("; compile s: " + res["compile"] if res.get("jobs", 1) > 1 else ""),
         f"{'variant':<24} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
-        f"{'vs fused32':>10} "
+        f"{'vs fused32':>10} {'vs fused16':>10} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
         f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
     ]
@@ -633,7 +635,7 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(
             f"{r['variant']:<24} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
             f"{r['vs_fp32_master']:7.2f} {r['vs_plain_bf16']:7.2f} "
-            f"{f(r['vs_fused_fp32'], '.2f'):>10} "
+            f"{f(r['vs_fused_fp32'], '.2f'):>10} {f(r.get('vs_fused_bf16'), '.2f'):>10} "
             f"{f(r['floor_bytes_per_param'], 'd'):>7} {f(r['floor_GBps'], '.1f'):>6} "
             f"{f(r['of_copy_bandwidth'], '.0%'):>7} {r['persistent_bytes_per_param']:9.2f} "
             f"{f(r['peak_MB'], '.0f'):>8} {f(r['compile_s'], '.1f'):>9} "

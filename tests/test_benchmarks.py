@@ -75,6 +75,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
     n = res["params"]
     plain, fp32 = rows["plain bf16"]["ms_per_step"], rows["fp32 master (16,32)"]["ms_per_step"]
     fused = rows["fp32 fused (16,32)"]["ms_per_step"]
+    fused16 = rows["bf16 fused"]["ms_per_step"]
     for name, row in rows.items():
         # (+ AdamW's 0-d step counters: 4 bytes a tensor, 0.004 B/param at this size)
         assert row["persistent_bytes_per_param"] == pytest.approx(STATE_BYTES[name], abs=0.01), name
@@ -84,6 +85,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
         assert row["vs_plain_bf16"] == pytest.approx(ms / plain, rel=1e-9), name
         assert row["vs_fp32_master"] == pytest.approx(ms / fp32, rel=1e-9), name
         assert row["vs_fused_fp32"] == pytest.approx(ms / fused, rel=1e-9), name
+        assert row["vs_fused_bf16"] == pytest.approx(ms / fused16, rel=1e-9), name
         # the bytes the step must move per second, as a share of a plain copy's; no step
         # moves its bytes much faster than a copy (measured 1 % to 10 % at this size)
         floor_gbs = row["floor_bytes_per_param"] * n / (ms / 1e3) / 1e9
