@@ -184,7 +184,9 @@ def test_forward_and_backward_run_nothing_of_the_backend():
     call none of this package's functions and the same others, but for a few of Dynamo's:
     its global hooks (``nn.Module.__init__`` patched, weak-reference callbacks), which any
     ``torch.compile`` installs, the first one in a process included.  The optimizer step of
-    the second does call this package (so the count would see it)."""
+    the second calls this package more than the first's (so the count would see it; the
+    first's may call the optimizer watch, which runs after every torch.optim step once a
+    test before this one installed it)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -217,4 +219,4 @@ def test_forward_and_backward_run_nothing_of_the_backend():
     (eager_fb, eager_step), (ours_fb, ours_step) = runs
     assert ours_fb[0] == 0 and ours_fb[2] == eager_fb[2] > 100, (eager_fb, ours_fb)
     assert ours_fb[1] <= 8, ours_fb  # measured: 5 (a module built in the forward, a weakref)
-    assert ours_step[0] > 0 and eager_step[0] == 0
+    assert ours_step[0] > eager_step[0] + 20, (eager_step, ours_step)
