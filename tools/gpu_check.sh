@@ -2,9 +2,9 @@
 # Issue 26's GPU measurements as device calls of at most 10 minutes (a session has 15
 # minutes of device time; a machine start took 30 s on 2026-11-26 and the machine goes
 # back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/):
-#   bash tools/gpu_check.sh tests llama_cg   # about 5 minutes
-#   bash tools/gpu_check.sh step_demo host   # then at once, about 6 minutes
-#   bash tools/gpu_check.sh step suite probe # the others, in a later session
+#   bash tools/gpu_check.sh llama_cg step_demo  # issue 26's figures first, about 7 minutes
+#   bash tools/gpu_check.sh tests host          # then at once, about 6 minutes
+#   bash tools/gpu_check.sh step suite probe    # the others, in a later session
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
@@ -87,6 +87,6 @@ run() {
     esac
 }
 
-for name in "${@:-tests llama_cg}"; do
+for name in "${@:-llama_cg step_demo}"; do
     for one in $name; do run "$one"; done
 done
