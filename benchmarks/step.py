@@ -589,9 +589,10 @@ def _shapes(args: argparse.Namespace) -> list[tuple[int, ...]]:
 
 
 def _with_new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], Any]:
-    """``step`` with new gradient tensors before each call: the ones it has and copies of
-    them, in turn (``--new-grads``)."""
-    sets = itertools.cycle([[p.grad.clone() for p in params], [p.grad for p in params]])
+    """``step`` with new gradient tensors before each call (``--new-grads``): two sets of
+    copies of the ones it has, in turn.  Never the ones it has: a whole-step replay
+    captured those, and copies no gradient that is already its own."""
+    sets = itertools.cycle([[p.grad.clone() for p in params] for _ in range(2)])
 
     def stepped() -> Any:
         for p, g in zip(params, next(sets)):

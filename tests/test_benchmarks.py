@@ -111,7 +111,9 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
 
 def test_new_grads_gives_each_step_new_gradient_tensors_of_the_same_values():
     """``--new-grads``: each call sees other gradient tensors than the call before it, as
-    after ``zero_grad()`` and ``backward()``, and the same values (the steps stay alike)."""
+    after ``zero_grad()`` and ``backward()``, and the same values (the steps stay alike);
+    never the tensors the step had before (a replay captured those and would not copy
+    them)."""
     from benchmarks import step
 
     ps = step.make_params(_tiny_shapes()[:3], "cpu", torch.bfloat16)
@@ -123,6 +125,7 @@ def test_new_grads_gives_each_step_new_gradient_tensors_of_the_same_values():
     for a, b in itertools.pairwise(seen):
         assert all(x is not y and torch.equal(x, y) for x, y in zip(a, b))
     assert all(map(torch.equal, seen[0], first))
+    assert not any(g is f for grads in seen for g, f in zip(grads, first))
 
 
 def test_the_demo_size_is_the_llama_demos_parameters():
