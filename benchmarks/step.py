@@ -32,7 +32,7 @@ persistent bytes/param (measured from the tensors), peak memory during a step, c
 time (a fresh Inductor cache directory per run) and the kernels / parallel loop nests read
 from the generated code.
 
-``--new-grads``: every step's gradients are new tensors (two sets, alternated), as a
+``--new-grads``: every step's gradients are new tensors (two sets of copies, alternated), as a
 training loop's ``zero_grad()`` and ``backward()`` make them; a whole-step replay then copies
 them into the captured ones (4 bytes a parameter more than its floor), as in the demo.
 Without it the gradients stay the same tensors from step to step.
