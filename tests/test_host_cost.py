@@ -55,19 +55,30 @@ def _dispatched(step) -> list[str]:
 
 def _python_calls(step) -> int:
     """Python functions of collage_compile called during one step."""
-    calls = 0
+    return _calls_by_package(step)[0]
+
+
+def _calls_by_package(fn) -> tuple[int, int, int]:
+    """Python functions called during ``fn()``: (of collage_compile, of Dynamo, all others)."""
+    ours = dynamo = others = 0
 
     def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and "collage_compile" in frame.f_code.co_filename:
-            calls += 1
+        nonlocal ours, dynamo, others
+        if event == "call":
+            name = frame.f_code.co_filename
+            if "collage_compile" in name:
+                ours += 1
+            elif "_dynamo" in name:
+                dynamo += 1
+            else:
+                others += 1
 
     sys.setprofile(profile)
     try:
-        step()
+        fn()
     finally:
         sys.setprofile(None)
-    return calls
+    return ours, dynamo, others
 
 
 @pytest.mark.parametrize(("mode", "metrics"), [("plus", False), ("light", True)])
@@ -150,29 +161,6 @@ def test_the_optimizer_watch_runs_after_each_step_without_its_op(monkeypatch):
     ops = [e.name for e in prof.events()]
     assert not [op for op in ops if "optimizer_stepped" in op], ops
     assert len(seen) == 2 and all(isinstance(o, torch.optim.AdamW) for o in seen)
-
-
-def _calls_by_package(fn) -> tuple[int, int, int]:
-    """Python functions called during ``fn()``: (of collage_compile, of Dynamo, all others)."""
-    ours = dynamo = others = 0
-
-    def profile(frame, event, arg):
-        nonlocal ours, dynamo, others
-        if event == "call":
-            name = frame.f_code.co_filename
-            if "collage_compile" in name:
-                ours += 1
-            elif "_dynamo" in name:
-                dynamo += 1
-            else:
-                others += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return ours, dynamo, others
 
 
 def test_forward_and_backward_run_nothing_of_the_backend():
