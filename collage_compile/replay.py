@@ -12,11 +12,11 @@ next step is captured whole, as one CUDA graph; every step after it is
                  param_groups, parameters, optimizer state and hyperparameters, the same
                  gradients present, no hooks, and per graph the registry's pairs and no
                  write from outside since its last call (each a pass over a list, in C);
-                 once the parameters and gradients passed, gradients that are new tensors
-                 (``zero_grad(set_to_none=True)``) are copied into the captured ones, one
-                 ``_foreach_copy_``, so that the device copies while the host checks the
-                 rest (a copy a later check makes useless is harmless: only a replay reads
-                 the captured gradients)
+                 once the parameters and gradients passed, the gradients are copied into
+                 the captured graph's own buffers (never into a tensor the user holds),
+                 one ``_foreach_copy_``, so that the device copies while the host checks
+                 the rest (a copy a later check makes useless is harmless: only a replay
+                 reads those buffers); on a CPU they are passed to the graphs instead
     refresh      each float the graphs read from a tensor of their own (a scheduled lr,
                  :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``
     replay       one CUDA graph launch (on a CPU: each recorded graph called directly)
@@ -37,6 +37,8 @@ that a replay would leave frozen.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -65,6 +67,7 @@ _compiles = 0
 MISSED = 20
 
 _GRAD = operator.attrgetter("grad")
+_consume = functools.partial(collections.deque, maxlen=0)  # runs an iterator out, in C
 
 
 _IS_NONE = functools.partial(operator.is_, None)
@@ -193,8 +196,12 @@ class WholeStep:
     def _capture(self, pending: _Plan) -> Any:
         """Capture this call of the step as one CUDA graph, then replay it: a capture
         runs no kernel, so the replay is this step."""
-        global recording, capturing
         pending.refresh()  # the floats the graphs read, set before the capture
+        with _own_grads(self.optimizer):
+            return self._capture_with(pending)
+
+    def _capture_with(self, pending: _Plan) -> Any:
+        global recording, capturing
         graph = torch.cuda.CUDAGraph()
         before, calls, failed = _compiles, [], None
         recording, capturing = calls, True
@@ -236,6 +243,24 @@ class WholeStep:
             "as before, with a compiled step's host work on every call (docs/speed.md).",
             stacklevel=4,
         )
+
+
+@contextlib.contextmanager
+def _own_grads(optimizer: torch.optim.Optimizer) -> Any:
+    """Each parameter's gradient replaced by a copy for the capture, then put back: the
+    captured graph reads buffers of its own, into which each replay copies that step's
+    gradients, and never a tensor the user holds (a gradient kept for logging, a buffer
+    of the user's own: the first GPU run found a held gradient overwritten by later
+    steps' values)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 @functools.cache
@@ -333,6 +358,7 @@ class _Plan:
         self.guards: list[tuple[Callable[..., bool], list[tuple[Any, ...]], str]] = []
         self.grad_params: list[torch.Tensor] = []
         self.static_grads: list[torch.Tensor] = []
+        self.grad_slots: list[tuple[int, int]] = []  # (call, input) of each gradient
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
         self.wrappers: list[Any] = []
         # each wrapper of the backend says what it is (compiler: _LoInputs "pairs",
@@ -356,9 +382,23 @@ class _Plan:
         # where each gradient input sits among the parameters (stale() reads them all)
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
+        self._grad_feeds()
         self._grad_shards()
         self._state_columns()
         self._pair_checks([w for w, r in zip(self.wrappers, roles) if r == "pairs"])
+
+    def _grad_feeds(self) -> None:
+        """Where the graphs are called directly: per graph, the setter of its inputs, the
+        slots its gradients take and their places among the gradients."""
+        by_call: dict[int, tuple[list[int], list[int]]] = {}
+        for k, (call, slot) in enumerate(self.grad_slots):
+            slots, which = by_call.setdefault(call, ([], []))
+            slots.append(slot)
+            which.append(k)
+        self.grad_feeds = [
+            (self.calls[call][1].__setitem__, slots, which)
+            for call, (slots, which) in by_call.items()
+        ]
 
     def _grad_shards(self) -> None:
         """FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
@@ -411,6 +451,7 @@ class _Plan:
                     raise _Refused(f"{what} is not that parameter's gradient")
                 self.grad_params.append(param)
                 self.static_grads.append(arg)
+                self.grad_slots.append((len(self.calls), i))
             elif not (
                 isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg
             ):
@@ -502,9 +543,12 @@ class _Plan:
         """Whether a gradient's sharding differs from the captured one's (FSDP2 keeps one
         spec object per parameter: identity first, then equality)."""
         specs = list(map(_spec, map(grads.__getitem__, self.grad_index)))
-        return not all(map(operator.is_, specs, self.grad_specs)) and not all(
-            map(operator.eq, specs, self.grad_specs)
-        )
+        if all(map(operator.is_, specs, self.grad_specs)):
+            return False
+        if not all(map(operator.eq, specs, self.grad_specs)):
+            return True
+        self.grad_specs = specs  # equal: next time by identity (the capture's are copies')
+        return False
 
     def _state_changed(self) -> str | None:
         """``load_state_dict`` replaces ``optimizer.state``; a value replaced by hand shows
@@ -530,14 +574,20 @@ class _Plan:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _copy_grads(self, grads: list[Any]) -> None:
-        """The parameters' gradients (``grads``, in parameter order) copied into the
-        recorded ones where they are new tensors."""
-        if self.static_grads:
-            now = list(map(grads.__getitem__, self.grad_index))
-            if not all(map(operator.is_, now, self.static_grads)):
-                if self.grad_specs:  # DTensors: their shards (a Python call each)
-                    now = list(map(_compat.local_tensor, now))
-                torch._foreach_copy_(self.static_locals, now)
+        """The parameters' gradients (``grads``, in parameter order) as the replay's: copied
+        into the captured graph's own (:meth:`WholeStep._capture` gave it buffers of its
+        own, so a gradient the user still holds is never written), or, where the graphs
+        are called directly, passed to them."""
+        if not self.static_grads:
+            return
+        now = list(map(grads.__getitem__, self.grad_index))
+        if self.graph is None:
+            for put, slots, which in self.grad_feeds:  # per graph, a pass in C
+                _consume(map(put, slots, map(now.__getitem__, which)))
+            return
+        if self.grad_specs:  # DTensors: their shards (a Python call each)
+            now = list(map(_compat.local_tensor, now))
+        torch._foreach_copy_(self.static_locals, now)
 
     def refresh(self) -> None:
         """The floats the graphs read, filled from param_groups."""

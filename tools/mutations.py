@@ -8,6 +8,7 @@ must FAIL.  ``MUT`` takes comma-separated names (see ``_apply``); some read ``MU
 ``MUT_K`` or ``MUT_MATCH``.  Not part of the suite: each run is one test under one mutation.
 """
 
+import operator
 import os
 import types
 
@@ -275,6 +276,18 @@ def _apply(name):
                 self._copy_grads(grads)
 
         replay._Plan.stale = stale
+    elif name == "replay_writes_held_grads":  # new gradients copied into the recorded ones
+        import contextlib
+
+        from collage_compile import replay
+
+        def copy_into_recorded(self, grads):
+            now = [grads[i] for i in self.grad_index]
+            if not all(map(operator.is_, now, self.static_grads)):
+                torch._foreach_copy_(self.static_locals, now)
+
+        replay._Plan._copy_grads = copy_into_recorded
+        replay._own_grads = lambda optimizer: contextlib.nullcontext()
     elif name == "replay_misses_silently":  # a replay that keeps giving way is not named
         from collage_compile import replay
 
