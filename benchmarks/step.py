@@ -30,7 +30,10 @@ fp32-master and the plain-bf16 steps, the bytes each step must move (counted per
 the floor), the bandwidth that implies against the copy bandwidth measured in the same run,
 persistent bytes/param (measured from the tensors), peak memory during a step, cold compile
 time (a fresh Inductor cache directory per run) and the kernels / parallel loop nests read
-from the generated code.
+from the generated code.  Each round also times every variant's step alone, between two
+synchronizations (``synced ms``, with its ratios to the fused steps), as
+``examples/train_llama.py`` times its optimizer step: the host work before the step's
+kernels start plus their device time, which back-to-back steps overlap.
 
 ``--new-grads``: every step's gradients are new tensors (two sets of copies, alternated), as a
 training loop's ``zero_grad()`` and ``backward()`` make them; a whole-step replay then copies
@@ -93,6 +96,7 @@ class Variant:
     kernels: int | None = None
     loops: int | None = None
     samples: list[float] = dataclasses.field(default_factory=list)
+    synced: list[float] = dataclasses.field(default_factory=list)  # one step between syncs
     peak_bytes: int | None = None
     compile_here_s: float | None = None  # compiled cold elsewhere: this process's compile
 
@@ -217,12 +221,11 @@ def _factories(
         out["plain bf16 cudagraphs"] = lambda: stock(
             "plain bf16 cudagraphs", "inductor", FLOOR_BYTES["bf16"], "reduce-overhead"
         )
-        for mode in ("light", "plus"):
-            if mode in only:
-                name = f"collage {mode} cudagraphs"
-                out[name] = functools.partial(
-                    lambda n, m: [_replayed(n, m, shapes, device)], name, mode
-                )
+        for mode in ("light", "plus"):  # with or without their uncaptured rows
+            name = f"collage {mode} cudagraphs"
+            out[name] = functools.partial(
+                lambda n, m: [_replayed(n, m, shapes, device)], name, mode
+            )
     if "eager" in only:
         out["eager Collage (ref)"] = lambda: [_eager(shapes, device)]
     if "others" in only:
@@ -522,13 +525,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sync(args.device)
         return (clock() - t0) / args.steps
 
+    def timed_alone(fn: Callable[[], Any]) -> float:
+        """One step between two synchronizations, as train_llama times its optimizer step:
+        the host work before its kernels start plus their device time, where back-to-back
+        steps overlap one step's device time with the next one's host work."""
+        sync(args.device)
+        t0 = clock()
+        fn()
+        sync(args.device)
+        return clock() - t0
+
     for _ in range(args.rounds):
         copy_samples.append(timed(copy_fn))
         for v in variants:
             v.samples.append(timed(v.step))
+            v.synced.append(timed_alone(v.step))
 
     copy_gbs = copy_bytes / statistics.median(copy_samples) / 1e9
     med = {v.name: statistics.median(v.samples) for v in variants}
+    alone = {v.name: statistics.median(v.synced) for v in variants}
     rows = []
     for v in variants:
         t = med[v.name]
@@ -543,6 +558,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vs_plain_bf16": t / med["plain bf16"],
                 "vs_fused_fp32": t / med[FUSED32] if FUSED32 in med else None,
                 "vs_fused_bf16": t / med[FUSED16] if FUSED16 in med else None,
+                "synced_ms": alone[v.name] * 1e3,
+                "synced_vs_fused_fp32": alone[v.name] / alone[FUSED32] if FUSED32 in med else None,
+                "synced_vs_fused_bf16": alone[v.name] / alone[FUSED16] if FUSED16 in med else None,
                 "floor_bytes_per_param": v.floor,
                 "floor_GBps": gbs,
                 "of_copy_bandwidth": gbs / copy_gbs if gbs else None,
@@ -628,7 +646,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"{res['copy_GBps']:.1f} GB/s"
         + ("; compile s: " + res["compile"] if res.get("jobs", 1) > 1 else ""),
         f"{'variant':<24} {'ms/step':>8} {'ns/param':>8} {'vs fp32':>7} {'vs bf16':>7} "
-        f"{'vs fused32':>10} {'vs fused16':>10} "
+        f"{'vs fused32':>10} {'vs fused16':>10} {'synced ms':>9} {'vs f32':>6} {'vs f16':>6} "
         f"{'B/param':>7} {'GB/s':>6} {'of copy':>7} {'state B/p':>9} {'peak MB':>8} "
         f"{'compile s':>9} {'kernels':>7} {'loops':>5}",
     ]
@@ -637,6 +655,8 @@ def format_table(res: dict[str, Any]) -> str:
             f"{r['variant']:<24} {r['ms_per_step']:8.2f} {r['ns_per_param']:8.3f} "
             f"{r['vs_fp32_master']:7.2f} {r['vs_plain_bf16']:7.2f} "
             f"{f(r['vs_fused_fp32'], '.2f'):>10} {f(r.get('vs_fused_bf16'), '.2f'):>10} "
+            f"{f(r.get('synced_ms'), '.2f'):>9} {f(r.get('synced_vs_fused_fp32'), '.2f'):>6} "
+            f"{f(r.get('synced_vs_fused_bf16'), '.2f'):>6} "
             f"{f(r['floor_bytes_per_param'], 'd'):>7} {f(r['floor_GBps'], '.1f'):>6} "
             f"{f(r['of_copy_bandwidth'], '.0%'):>7} {r['persistent_bytes_per_param']:9.2f} "
             f"{f(r['peak_MB'], '.0f'):>8} {f(r['compile_s'], '.1f'):>9} "

@@ -70,12 +70,14 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
 
     assert list(rows) == [n for n in STATE_BYTES if _installed(OPTIONAL.get(n, "torch"))]
     assert "collage light" in proc.stdout and "ms/step" in proc.stdout  # the table
+    assert "synced ms" in proc.stdout
     assert res["new_grads"] and "new gradient tensors every step" in proc.stdout
     assert (tmp_path / "step.png").stat().st_size > 0
     n = res["params"]
     plain, fp32 = rows["plain bf16"]["ms_per_step"], rows["fp32 master (16,32)"]["ms_per_step"]
     fused = rows["fp32 fused (16,32)"]["ms_per_step"]
     fused16 = rows["bf16 fused"]["ms_per_step"]
+    synced32, synced16 = (rows[k]["synced_ms"] for k in ("fp32 fused (16,32)", "bf16 fused"))
     for name, row in rows.items():
         # (+ AdamW's 0-d step counters: 4 bytes a tensor, 0.004 B/param at this size)
         assert row["persistent_bytes_per_param"] == pytest.approx(STATE_BYTES[name], abs=0.01), name
@@ -86,6 +88,11 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
         assert row["vs_fp32_master"] == pytest.approx(ms / fp32, rel=1e-9), name
         assert row["vs_fused_fp32"] == pytest.approx(ms / fused, rel=1e-9), name
         assert row["vs_fused_bf16"] == pytest.approx(ms / fused16, rel=1e-9), name
+        # and one step alone between two synchronizations, as train_llama times it
+        alone = row["synced_ms"]
+        assert alone > 0, name
+        assert row["synced_vs_fused_fp32"] == pytest.approx(alone / synced32, rel=1e-9), name
+        assert row["synced_vs_fused_bf16"] == pytest.approx(alone / synced16, rel=1e-9), name
         # the bytes the step must move per second, as a share of a plain copy's; no step
         # moves its bytes much faster than a copy (measured 1 % to 10 % at this size)
         floor_gbs = row["floor_bytes_per_param"] * n / (ms / 1e3) / 1e9
@@ -139,6 +146,19 @@ def test_the_demo_size_is_the_llama_demos_parameters():
     assert sum(torch.Size(s).numel() for s in shapes) == 25_174_528
     assert shapes[0] == shapes[-1] == (256, 512)  # the embedding and the untied head
     assert demo_llama.parameter_shapes(["--n-layer", "2"]) == shapes[:19] + shapes[-2:]
+
+
+def test_cudagraphs_rows_are_plain_light_and_plus_captured_as_the_help_says():
+    """``--variants fused cudagraphs`` times plain Inductor, light and plus captured (the
+    help's words), not plain alone: a GPU run asked for that to spare the uncaptured
+    compiles and got no collage row.  The rows are named without building them (no GPU)."""
+    from benchmarks import step
+
+    names = list(step._factories(_tiny_shapes(), "cuda", True, ("fused", "cudagraphs")))
+    captured = [f"{k} cudagraphs" for k in ("plain bf16", "collage light", "collage plus")]
+    assert names == [step.MASTER, "plain bf16", step.FUSED32, step.FUSED16, *captured]
+    both = list(step._factories(_tiny_shapes(), "cuda", True, ("light", "cudagraphs")))
+    assert both == [step.MASTER, "plain bf16", "collage light", *captured]
 
 
 def _tiny_shapes() -> list[tuple[int, ...]]:

@@ -32,6 +32,8 @@
 #              every step as in training: the optimizer step against torch's fused AdamW
 #              (fp32 and bf16), uncaptured and replayed, side by side with little noise
 #              (issue 26's "printed by benchmarks.step"; not yet run) (240 s)
+#   replay     tests/test_replay.py alone, 6 workers (its CUDA tests: the capture, exact mode)
+#   step_demo_cg  step_demo with the fused and captured variants only (140 s)
 #   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
 #              compiles 60-70 s there, plain Inductor 30 s, one after another; now each
 #              variant compiles cold in a process of its own, 8 at a time) (300 s)
@@ -70,6 +72,9 @@ run() {
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
     probe) part 120 probe.log python3 tools/probe_exact.py --code "$out/probe_code.txt" ;;
     suite) part 540 suite.log python3 -m pytest -n 14 -q -rfs --tb=short --durations=15 ;;
+    replay) part 100 replay.log python3 -m pytest -n 6 -q -rfs --tb=short tests/test_replay.py ;;
+    step_demo_cg) part 140 step_demo_cg.log python3 -m benchmarks.step --device cuda \
+        --size demo --new-grads --variants fused cudagraphs --json "$out/step_demo_cg.json" ;;
     step_demo) part 240 step_demo.log python3 -m benchmarks.step --device cuda --size demo \
         --new-grads --variants fused light plus cudagraphs --json "$out/step_demo.json" ;;
     step) part 300 step.log python3 -m benchmarks.step --device cuda --size gpu \
