@@ -36,9 +36,9 @@ synchronizations (``synced ms``, with its ratios to the fused steps), as
 kernels start plus their device time, which back-to-back steps overlap.
 
 ``--new-grads``: every step's gradients are new tensors (two sets of copies, alternated), as a
-training loop's ``zero_grad()`` and ``backward()`` make them; a whole-step replay then copies
-them into the captured ones (4 bytes a parameter more than its floor), as in the demo.
-Without it the gradients stay the same tensors from step to step.
+training loop's ``zero_grad()`` and ``backward()`` make them, as in the demo; without it the
+gradients stay the same tensors from step to step.  A whole-step replay copies each step's
+gradients into buffers of its own either way (4 bytes a parameter more than its floor).
 
 Compiles: with ``--jobs N`` > 1 (on CUDA the default is up to 8), each compiled variant is
 first compiled cold in a process of its own, N at a time, into the run's cache; the table's
@@ -608,8 +608,8 @@ def _shapes(args: argparse.Namespace) -> list[tuple[int, ...]]:
 
 def _with_new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], Any]:
     """``step`` with new gradient tensors before each call (``--new-grads``): two sets of
-    copies of the ones it has, in turn.  Never the ones it has: a whole-step replay
-    captured those, and copies no gradient that is already its own."""
+    copies of the ones it has, in turn, never the ones it has (Dynamo and Inductor's
+    cudagraph trees see the tensors they were given before as the same gradient)."""
     sets = itertools.cycle([[p.grad.clone() for p in params] for _ in range(2)])
 
     def stepped() -> Any:

@@ -119,8 +119,7 @@ def test_step_benchmark_reports_every_variant_with_its_state_bytes(tmp_path):
 def test_new_grads_gives_each_step_new_gradient_tensors_of_the_same_values():
     """``--new-grads``: each call sees other gradient tensors than the call before it, as
     after ``zero_grad()`` and ``backward()``, and the same values (the steps stay alike);
-    never the tensors the step had before (a replay captured those and would not copy
-    them)."""
+    never the tensors the step had before."""
     from benchmarks import step
 
     ps = step.make_params(_tiny_shapes()[:3], "cpu", torch.bfloat16)
