@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 26's GPU measurements as device calls of at most 10 minutes (a session has 15
 # minutes of device time; a machine start took 30 s on 2026-11-26 and the machine goes
-# back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/):
-#   bash tools/gpu_check.sh llama_cg step_demo  # issue 26's figures first, about 7 minutes
-#   bash tools/gpu_check.sh tests host          # then at once, about 6 minutes
-#   bash tools/gpu_check.sh step suite probe    # the others, in a later session
+# back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/).
+# Run on an H200 on 2026-11-27: llama_cg step_demo, then tests, then replay step_demo_cg.
+# Next, what is still unmeasured:
+#   bash tools/gpu_check.sh suite               # the whole suite, at most 9 minutes
+#   bash tools/gpu_check.sh step_demo           # at once: light's synced ratio, 3 minutes
+#   bash tools/gpu_check.sh step step_large     # a later session: --size gpu, 315M again
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
@@ -16,6 +18,8 @@
 #              (code/).  H100, 2026-11-27, warm: 104 s
 #   tests      the GPU tests, 12 workers: the whole-step replay (test_replay.py first),
 #              CUDA-graph capture, Triton against the C++ path, host cost, schedules.
+#              H200, 2026-11-27, cold: 187 s, 90 of 91 (the one: the replay wrote a held
+#              gradient, fixed in 6a579bb).
 #              H100, 2026-11-27, cold: 188 s (10 failures, fixed since; a rerun of the
 #              Triton, codegen and host-cost files with 8 workers did not end in 190 s:
 #              the interpreter's comparisons, 60-100 s each, now left to the CPUs)
@@ -23,17 +27,20 @@
 #              on the GPU image"; not yet run there whole)
 #   probe      tools/probe_exact.py: exact mode against the fp32 step, in fp32 ulps, with
 #              and without Triton's FMA contraction (H200, 2026-11-27: 33 s)
-#   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs (H100,
-#              2026-11-27, after tests: 116 s)
+#   llama_cg   examples/train_llama.py, light and plus captured as CUDA graphs, then every
+#              strategy timed side by side, and a profile (H200, 2026-11-27, cold: 197 s)
 #   llama      the same without capture (240 s)
 #   step_large benchmarks.step at 315M parameters in 48 tensors, where memory dominates,
 #              whole-step replays included (H200, 2026-11-27, cold: 110 s)
 #   step_demo  benchmarks.step on the demo's 75 parameters (25.17M), new gradient tensors
 #              every step as in training: the optimizer step against torch's fused AdamW
 #              (fp32 and bf16), uncaptured and replayed, side by side with little noise
-#              (issue 26's "printed by benchmarks.step"; not yet run) (240 s)
-#   replay     tests/test_replay.py alone, 6 workers (its CUDA tests: the capture, exact mode)
-#   step_demo_cg  step_demo with the fused and captured variants only (140 s)
+#              (issue 26's "printed by benchmarks.step"), with the synced column since
+#              28f4524 (H200, 2026-11-27, cold: 158 s)
+#   replay     tests/test_replay.py alone, 6 workers (its CUDA tests: the capture, exact
+#              mode; H200, 2026-11-27, cold: 95 s, 18 of 18)
+#   step_demo_cg  step_demo with the fused and captured variants only (H200, 2026-11-27:
+#              81 s, but before 28f4524 'cudagraphs' built no collage row)
 #   step       benchmarks.step at --size gpu (144 tensors; did not finish in 265 s: collage
 #              compiles 60-70 s there, plain Inductor 30 s, one after another; now each
 #              variant compiles cold in a process of its own, 8 at a time) (300 s)
