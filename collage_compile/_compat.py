@@ -700,10 +700,12 @@ def no_input_asserts_patch() -> dict[str, Any]:
 
     A rewritten graph has one more input per upgraded tensor (its lo), and at 300 tensors
     these asserts were a quarter of the step's host time (``benchmarks.host``).  They
-    repeat checks made elsewhere: Dynamo's guards check the size and stride of every tensor
-    it passes in, the backend's wrapper builds each lo with its tensor's layout
-    (``state.empty_lo``) and re-checks the parameters it holds whenever one's storage
-    changes (``module.half()``, ``p.data = ...``).  ``size_asserts`` on 2.11 and 2.13.
+    repeat checks made elsewhere: Dynamo's guards check the size and stride of the tensors
+    it passes in, but not an optimizer's gradients, whose strides the backend's wrapper
+    compares itself (``_LoInputs.expect_grad_layouts``); the wrapper builds each lo with its
+    tensor's layout (``state.empty_lo``) and re-checks the parameters it holds whenever
+    one's storage changes (``module.half()``, ``p.data = ...``).  ``size_asserts`` on 2.11
+    and 2.13.
     """
     return {"size_asserts": False}
 

@@ -189,6 +189,7 @@ def _compile_graph(
         compiled.ticks = ticks
         compiled.replayed = config.inductor_cudagraphs
         compiled.sources = [names.source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
+        compiled.expect_grad_layouts(example_inputs)
         return compiled
     # for a capture of the whole step every graph it calls is seen (replay.record)
     wrap = ticks or config.cudagraphs == "step"
@@ -461,6 +462,7 @@ def inductor_options() -> dict[str, Any]:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = operator.methodcaller("stride")
 _IS_NONE = functools.partial(operator.is_, None)
 
 
@@ -547,6 +549,44 @@ class _LoInputs:
             id(a.real) for a in [*upgraded, *unchained] if a.real is not None
         )
         self._written_inputs = [a.input_index for a in [*upgraded, *unchained] if a.real is None]
+        # an optimizer's gradients among the inputs, and the strides the graph was compiled
+        # for (expect_grad_layouts)
+        self.grad_layouts: dict[int, tuple[int, ...]] = {}
+        self._grad_inputs: list[int] = []
+        self._grad_strides: list[tuple[int, ...]] = []
+
+    def expect_grad_layouts(self, example_inputs: Sequence[Any]) -> None:
+        """Record the strides of the gradients among the inputs (``sources``).  Dynamo
+        does not guard an optimizer's gradients (nor its parameters), and the backend turns
+        off Inductor's input asserts (:func:`_compat.no_input_asserts_patch`): a gradient
+        laid out otherwise on a later call would be read in this layout, silently wrong,
+        where plain Inductor raises.  Each call compares the strides (one pass in C)."""
+        for i, source in enumerate(self.sources):
+            t = example_inputs[i] if i < len(example_inputs) else None
+            if source.endswith(".grad") and isinstance(t, torch.Tensor):
+                if not _compat.is_dtensor(t):
+                    self.grad_layouts[i] = t.stride()
+        self._grad_inputs = list(self.grad_layouts)
+        self._grad_strides = list(self.grad_layouts.values())
+
+    def _relaid(self, args: Sequence[Any], strides: list[tuple[int, ...]]) -> list[Any]:
+        """``args`` with each gradient whose strides differ from the compiled ones copied
+        into that layout (by value), said once per gradient."""
+        args = list(args)
+        for i, want, got in zip(self._grad_inputs, self._grad_strides, strides):
+            if want == got:
+                continue
+            g = args[i]
+            args[i] = torch.empty_strided(g.shape, want, dtype=g.dtype, device=g.device).copy_(g)
+            report.warn_once(
+                ("grad-layout", id(self), i),
+                f"collage: {self.sources[i]} arrived with strides {got}, and {self._shown} "
+                f"was compiled for {want}; torch.compile does not re-check an optimizer's "
+                "gradients, so it is copied into that layout on every such call (plain "
+                "Inductor would raise).  Keep a gradient's layout from step to step to "
+                "avoid the copy.",
+            )
+        return args
 
     def _attr_tensors(self) -> list[torch.Tensor]:
         tensors = [r() for r in self._attr_refs]
@@ -611,6 +651,10 @@ class _LoInputs:
         watch.record_call(wrote)
         if replay.recording is not None:
             replay.recording.append((self, args, list(call_los)))
+        if self._grad_inputs:
+            strides = list(map(_STRIDE, map(args.__getitem__, self._grad_inputs)))
+            if strides != self._grad_strides:
+                args = self._relaid(args, strides)
         if self._scalars:
             args = self._with_scalars(args)
         with watch.in_call(self._shown):

@@ -16,7 +16,7 @@ next step is captured whole, as one CUDA graph; every step after it is
                  the captured graph's own buffers (never into a tensor the user holds),
                  one ``_foreach_copy_``, so that the device copies while the host checks
                  the rest (a copy a later check makes useless is harmless: only a replay
-                 reads those buffers); on a CPU they are passed to the graphs instead
+                 reads those buffers)
     refresh      each float the graphs read from a tensor of their own (a scheduled lr,
                  :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``
     replay       one CUDA graph launch (on a CPU: each recorded graph called directly)
@@ -37,7 +37,6 @@ that a replay would leave frozen.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import itertools
@@ -67,7 +66,6 @@ _compiles = 0
 MISSED = 20
 
 _GRAD = operator.attrgetter("grad")
-_consume = functools.partial(collections.deque, maxlen=0)  # runs an iterator out, in C
 
 
 _IS_NONE = functools.partial(operator.is_, None)
@@ -359,6 +357,7 @@ class _Plan:
         self.grad_params: list[torch.Tensor] = []
         self.static_grads: list[torch.Tensor] = []
         self.grad_slots: list[tuple[int, int]] = []  # (call, input) of each gradient
+        self.grad_layouts: list[tuple[int, ...] | None] = []  # the strides compiled for
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
         self.wrappers: list[Any] = []
         # each wrapper of the backend says what it is (compiler: _LoInputs "pairs",
@@ -382,23 +381,26 @@ class _Plan:
         # where each gradient input sits among the parameters (stale() reads them all)
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
-        self._grad_feeds()
+        self._private_grads()
         self._grad_shards()
         self._state_columns()
         self._pair_checks([w for w, r in zip(self.wrappers, roles) if r == "pairs"])
 
-    def _grad_feeds(self) -> None:
-        """Where the graphs are called directly: per graph, the setter of its inputs, the
-        slots its gradients take and their places among the gradients."""
-        by_call: dict[int, tuple[list[int], list[int]]] = {}
-        for k, (call, slot) in enumerate(self.grad_slots):
-            slots, which = by_call.setdefault(call, ([], []))
-            slots.append(slot)
-            which.append(k)
-        self.grad_feeds = [
-            (self.calls[call][1].__setitem__, slots, which)
-            for call, (slots, which) in by_call.items()
+    def _private_grads(self) -> None:
+        """Where the graphs are called directly (a CPU): their gradient inputs replaced by
+        copies of their own, into which each replay copies that step's gradients, as a
+        CUDA capture reads copies of its own (:func:`_own_grads`).  Never a tensor the
+        user holds; and laid out as the graphs were compiled (``copy_`` takes any new
+        gradient's strides; the graphs, called here without their wrapper, would not)."""
+        if self.graph is not None or self.device.type == "cuda":
+            return
+        own = [
+            g.clone() if want is None else g.new_empty_strided(g.shape, want).copy_(g)
+            for g, want in zip(self.static_grads, self.grad_layouts)
         ]
+        for (call, slot), g in zip(self.grad_slots, own):
+            self.calls[call][1][slot] = g
+        self.static_grads = own
 
     def _grad_shards(self) -> None:
         """FSDP2: a DTensor's gradient is copied shard to shard (DTensor has no foreach
@@ -452,6 +454,7 @@ class _Plan:
                 self.grad_params.append(param)
                 self.static_grads.append(arg)
                 self.grad_slots.append((len(self.calls), i))
+                self.grad_layouts.append(wrapper.grad_layouts.get(i))
             elif not (
                 isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg
             ):
@@ -574,17 +577,12 @@ class _Plan:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _copy_grads(self, grads: list[Any]) -> None:
-        """The parameters' gradients (``grads``, in parameter order) as the replay's: copied
-        into the captured graph's own (:meth:`WholeStep._capture` gave it buffers of its
-        own, so a gradient the user still holds is never written), or, where the graphs
-        are called directly, passed to them."""
+        """The parameters' gradients (``grads``, in parameter order) copied into the
+        replay's own (:func:`_own_grads`, :meth:`_private_grads`): a gradient the user
+        still holds is never written."""
         if not self.static_grads:
             return
         now = list(map(grads.__getitem__, self.grad_index))
-        if self.graph is None:
-            for put, slots, which in self.grad_feeds:  # per graph, a pass in C
-                _consume(map(put, slots, map(now.__getitem__, which)))
-            return
         if self.grad_specs:  # DTensors: their shards (a Python call each)
             now = list(map(_compat.local_tensor, now))
         torch._foreach_copy_(self.static_locals, now)

@@ -184,6 +184,34 @@ def test_a_replay_never_writes_a_gradient_the_user_holds(device):
     assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
 
 
+def test_a_gradient_laid_out_otherwise_is_read_by_its_values():
+    """A gradient of the recorded shape but other strides (a matrix's gradient stored
+    column-major every other step).  Dynamo does not guard an optimizer's gradients and the
+    backend turns off Inductor's input asserts, so the compiled step read it in the layout
+    it was compiled for: 0.71 from float64, where plain bf16 is 0.90 off, and no word.
+    Now the wrapper compares the strides and copies such a gradient into the compiled
+    layout, said once; the replay copies it into its own by value.  Compiled and replayed
+    track float64 and are the same bit for bit."""
+    start, grads = drifting_stream([(64, 32), (32,)], STEPS)
+    for gs in grads[1::2]:
+        gs[0] = gs[0].t().contiguous().t()
+    assert grads[1][0].stride() == (1, 64)
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        compiled, _ = _train(start, grads, torch.bfloat16)
+    said = [str(w.message) for w in rec if "arrived with strides (1, 64)" in str(w.message)]
+    assert len(said) == 1 and "['params'][0].grad" in said[0], said
+    err, err_plain = _errors(compiled, ref, plain, start)
+    assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
+    torch._dynamo.reset()
+    replayed, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    assert opt.step.whole_step.replays >= STEPS - 4, opt.step.whole_step.replays
+    _same_bits(compiled, replayed)
+
+
 def test_a_replayed_exact_step_is_the_fp32_step_bit_for_bit():
     """``mode="exact"`` promises the fp32 step's weights (docs/numerics.md; the fp32
     weights here never sat on a bf16 tie, where a remainder cannot follow): replayed, too."""
