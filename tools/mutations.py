@@ -287,6 +287,7 @@ def _apply(name):
                 torch._foreach_copy_(self.static_locals, now)
 
         replay._Plan._copy_grads = copy_into_recorded
+        replay._Plan._private_grads = lambda self: None
         replay._own_grads = lambda optimizer: contextlib.nullcontext()
     elif name == "grad_layout_unchecked":  # a gradient's strides trusted, as Dynamo does
         compiler._LoInputs.expect_grad_layouts = lambda self, example_inputs: None
