@@ -577,7 +577,7 @@ class _LoInputs:
             if want == got:
                 continue
             g = args[i]
-            args[i] = torch.empty_strided(g.shape, want, dtype=g.dtype, device=g.device).copy_(g)
+            args[i] = g.new_empty_strided(g.shape, want).copy_(g)
             report.warn_once(
                 ("grad-layout", id(self), i),
                 f"collage: {self.sources[i]} arrived with strides {got}, and {self._shown} "

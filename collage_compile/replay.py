@@ -392,7 +392,7 @@ class _Plan:
         CUDA capture reads copies of its own (:func:`_own_grads`).  Never a tensor the
         user holds; and laid out as the graphs were compiled (``copy_`` takes any new
         gradient's strides; the graphs, called here without their wrapper, would not)."""
-        if self.graph is not None or self.device.type == "cuda":
+        if self.device.type == "cuda":  # the capture reads copies of its own already
             return
         own = [
             g.clone() if want is None else g.new_empty_strided(g.shape, want).copy_(g)

@@ -87,7 +87,7 @@ REPLAYED = {
 def test_a_replayed_step_is_the_compiled_step_bit_for_bit_under_a_schedule(case):
     """After one step that compiles and one that is recorded, every step is a replay
     (no Dynamo, no guard): the lr a scheduler sets per group reaches it, the new gradient
-    tensors of each step are the graphs' inputs, and the weights and their
+    tensors of each step are copied into the replay's own, and the weights and their
     pairs (exact mode: remainders) are those of the compiled step, bit for bit: 0.27 %
     from the float64 run, where plain bf16 is 93 % off (``-s`` prints them)."""
     options = REPLAYED[case]
