@@ -414,6 +414,15 @@ def scalar_hint(x: Any) -> float | None:
     return None
 
 
+def size_hint(x: Any) -> int:
+    """A size or stride as an int: a SymInt as the value it was traced with (its
+    ``node.hint``, private), without adding a guard."""
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)
+        return int(hint) if hint is not None else -1
+    return int(x)
+
+
 def fake_scalar_f64(x: Any, device: Any = None) -> Any:
     """A fake 0-dim float64 tensor in the fake mode that made symbolic float ``x`` (the
     example value of a node computing ``x`` as a tensor), or None."""
@@ -708,6 +717,14 @@ def no_input_asserts_patch() -> dict[str, Any]:
     and 2.13.
     """
     return {"size_asserts": False}
+
+
+def unvectorized_cpp() -> Any:
+    """A context in which Inductor's C++ kernels are not vectorized (``cpp.simdlen = 0``,
+    2.11 and 2.13; a config key, so the FX graph cache keys on it).  For
+    :mod:`collage_compile.tiles`: GCC 12 at -O3 miscompiles the bf16/fp16 tile transpose
+    that vectorized kernels use for a tensor laid out otherwise than the loop."""
+    return torch._inductor.config.patch({"cpp.simdlen": 0})
 
 
 def bounded_inlining_patch() -> dict[str, Any]:

@@ -31,7 +31,17 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
+from collage_compile import (
+    _compat,
+    names,
+    remainder,
+    replay,
+    report,
+    schedules,
+    state,
+    tiles,
+    watch,
+)
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
@@ -233,7 +243,7 @@ class _StepTicks:
 def _compile_rewritten(
     original: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig, record: bool
 ) -> Callable[..., Any]:
-    from collage_compile import modes, passes, rewrite
+    from collage_compile import passes
 
     gm = _compat.copy_graph_module(original)
     _compat.take_step_ticks(gm)
@@ -241,6 +251,23 @@ def _compile_rewritten(
     # every low-precision tensor starts eligible: the families claim what they understand,
     # then the mode keeps what it upgrades (modes.select)
     info = GraphInfo(gm, list(example_inputs), config)
+    written = list({names.display(w.acc.real, w.acc.name): None for w in info.writes})
+    shown = f"the graph that writes {', '.join(written[:3])}{', ...' if written[3:] else ''}"
+    with tiles.untiled_if_transposed(original, list(example_inputs), bool(written), shown):
+        return _compile_analyzed(original, gm, normalized, info, example_inputs, config, record)
+
+
+def _compile_analyzed(
+    original: fx.GraphModule,
+    gm: fx.GraphModule,
+    normalized: dict[str, int],
+    info: GraphInfo,
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+    record: bool,
+) -> Callable[..., Any]:
+    from collage_compile import modes, passes, rewrite
+
     ctx = rewrite.MatchContext(info)
     counts = passes.run(info, ctx)
     if config.mode == "exact":
