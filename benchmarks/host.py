@@ -83,11 +83,10 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
     if mode == "plain":
         step = torch.compile(opt.step, mode="reduce-overhead" if captured else None)
 
-    def scheduled() -> None:
-        step()
-        sched.step()
-
-    run = scheduled if schedule else step
+    def run() -> None:  # holds the scheduler, and through it the optimizer, alive:
+        step()  # a compiled opt.step holds it weakly (AttributeError on '_opt_called')
+        if schedule:
+            sched.step()
     for _ in range(5):  # compile (and capture), then settle
         run()
     whole = getattr(opt.step, "whole_step", None)
