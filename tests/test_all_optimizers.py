@@ -20,6 +20,7 @@ the table that README and the issue notes quote.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -161,7 +162,25 @@ OPTIMIZERS = {
         },
         ADAPTIVE,
     ),
+    # matrices only; its Newton-Schulz iteration runs in bf16 by design (torch casts the
+    # update), so the shadow's update differs from the run's by that rounding alone; the
+    # tall matrix takes the transposed path (the update is a transposed matmul result)
+    "Muon": (
+        torch.optim.Muon,
+        {
+            "default": {"lr": 1e-3},
+            "plain-momentum-rms-wd": {
+                "lr": 1e-3,
+                "nesterov": False,
+                "adjust_lr_fn": "match_rms_adamw",
+                "weight_decay": 0.01,
+            },
+        },
+        ADAPTIVE,
+    ),
 }
+MATRIX_AND_VECTOR = ((16, 32), (32,))
+SHAPES = {"Muon": ((16, 32), (32, 16))}  # others: MATRIX_AND_VECTOR
 
 # Adafactor's step calls Tensor.item(): traceable only with capture_scalar_outputs, and then
 # only its foreach path (the single-tensor path fails in Inductor's lerp decomposition on a
@@ -170,7 +189,7 @@ TRACEABLE_SINGLE = {name for name in OPTIMIZERS if name != "Adafactor"}
 # graphs compiled over a run (see the module docstring): SGD's first step creates momentum
 # buffers that the second step's guards see; Adafactor is split by graph breaks
 MAX_COMPILES = {"SGD": 3, "ASGD": 2, "Adafactor": 8}
-SINGLE_PATH_ONLY = {"SignSGD"}  # one code path, no foreach flag
+SINGLE_PATH_ONLY = {"SignSGD", "Muon"}  # one code path
 
 CASES = [
     pytest.param(
@@ -183,9 +202,8 @@ CASES = [
 ]
 
 
-def _params(seed: int, scale: float) -> list[torch.nn.Parameter]:
+def _params(seed: int, scale: float, shapes=MATRIX_AND_VECTOR) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    shapes = [(16, 32), (32,)]
     return [
         torch.nn.Parameter((torch.randn(s, generator=g) * scale).to(torch.bfloat16)) for s in shapes
     ]
@@ -218,11 +236,12 @@ def run(cls, kwargs, stream, foreach, backend, seed=0, scheduled=True):
     their float64 shadow, under :func:`schedule`.  Returns (relative error, params,
     optimizer, frames compiled)."""
     steps, scale, mean, std = stream
-    params = _params(seed, scale)
+    params = _params(seed, scale, SHAPES.get(cls.__name__, MATRIX_AND_VECTOR))
     start = [p.detach().double().clone() for p in params]
     ref = [torch.nn.Parameter(s.clone()) for s in start]
-    opt = cls(params, foreach=foreach, **kwargs)
-    ref_opt = cls(ref, foreach=False, **kwargs)
+    flag = "foreach" in inspect.signature(cls.__init__).parameters  # Muon has none
+    opt = cls(params, **kwargs, **({"foreach": foreach} if flag else {}))
+    ref_opt = cls(ref, **kwargs, **({"foreach": False} if flag else {}))
     initial = dict(opt.param_groups[0])
     counter = step = None
     if backend is None:
