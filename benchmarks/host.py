@@ -87,6 +87,7 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
         step()  # a compiled opt.step holds it weakly (AttributeError on '_opt_called')
         if schedule:
             sched.step()
+
     for _ in range(5):  # compile (and capture), then settle
         run()
     whole = getattr(opt.step, "whole_step", None)

@@ -591,6 +591,8 @@ class _LoInputs:
         for i, source in enumerate(self.sources):
             t = example_inputs[i] if i < len(example_inputs) else None
             if source.endswith(".grad") and isinstance(t, torch.Tensor):
+                # a DTensor's shard strides Dynamo does guard: another layout recompiles
+                # (measured on 2.13; tests/test_tiles.py -k dtensor)
                 if not _compat.is_dtensor(t):
                     self.grad_layouts[i] = t.stride()
         self._grad_inputs = list(self.grad_layouts)
