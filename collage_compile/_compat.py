@@ -719,6 +719,14 @@ def no_input_asserts_patch() -> dict[str, Any]:
     return {"size_asserts": False}
 
 
+def cpp_vectorizes_avx512() -> bool:
+    """Whether Inductor's C++ kernels are vectorized with AVX-512 here (its
+    ``cpu_vec_isa.pick_vec_isa``, AMX included; 2.11 and 2.13)."""
+    from torch._inductor import cpu_vec_isa
+
+    return isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX512)
+
+
 def unvectorized_cpp() -> Any:
     """A context in which Inductor's C++ kernels are not vectorized (``cpp.simdlen = 0``,
     2.11 and 2.13; a config key, so the FX graph cache keys on it).  For

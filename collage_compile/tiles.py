@@ -13,10 +13,13 @@ step went NaN.  ``-fno-tree-loop-distribute-patterns`` or ``-fno-ipa-cp-clone`` 
 the header right, and float32 tiles are right.
 
 A graph that writes low-precision tensors (an optimizer step) and reads such a mixed
-layout is compiled without vectorization here (:func:`_compat.unvectorized_cpp`),
-which is correct and slower, and the user is told once, with the tensors named.  Graphs
-that write nothing (a forward pass) are left to Inductor as they are.  CUDA kernels
-(Triton) have no such tiles.
+layout is compiled without vectorization where Inductor vectorizes with AVX-512
+(:func:`_compat.unvectorized_cpp`), which is correct and slower, and the user is told
+once, with the tensors named.  The check is by the inputs' layouts, so it is cautious: a
+kernel over partial tiles (a channels-last 3x3 conv weight beside contiguous state) came
+out right before, and pays too.  AVX2 kernels transpose bf16 element by element (no
+such header code), graphs that write nothing (a forward pass) are left to Inductor as
+they are, and CUDA kernels (Triton) have no such tiles.
 """
 
 from __future__ import annotations
@@ -79,15 +82,15 @@ def untiled_if_transposed(
     low-precision tensor laid out otherwise than another of its shape (said once, naming
     both).  Yields whether it does."""
     pair = transposed_pair(gm, example_inputs) if writes else None
-    if pair is None:
+    if pair is None or not _compat.cpp_vectorizes_avx512():  # AVX2 transposes element-wise
         yield False
         return
     warn_once(
         ("transposed-tiles", *pair),
         f"collage: {pair[0]} and {pair[1]} have one shape and different layouts, in "
         f"{shown}.  Inductor's vectorized C++ kernels read such a bf16/fp16 tensor through "
-        "transposed tiles, which GCC 12 at -O3 miscompiles on AVX-512 CPUs (silently wrong "
-        "values, NaN), so this graph is compiled without vectorization: correct, and "
+        "transposed tiles, which GCC 12 at -O3 can miscompile on AVX-512 CPUs (silently "
+        "wrong values, NaN), so this graph is compiled without vectorization: correct, and "
         "slower.  Keep gradients and optimizer state in their parameter's layout "
         "(docs/limits.md).",
     )

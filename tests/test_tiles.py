@@ -3,9 +3,9 @@
 Inductor's vectorized C++ kernel reads such a bf16 gradient through transposed 32x32 tiles,
 and GCC 12 at -O3 miscompiles that transpose on AVX-512 CPUs once a kernel stores two
 outputs, as every MCF kernel does (hi and lo): the compiled step went NaN, silently.  Such
-a step is now compiled without vectorization, said once.  On a CPU without AVX-512 (or
-with another compiler) the step was right before too; these tests then still check the
-warning and the numerics.
+a step is now compiled without vectorization, said once.  Where Inductor does not
+vectorize with AVX-512 the step was right before too and is left as it is: the tests then
+check the numerics and that nothing is said.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from conftest import drifting_stream, mcf_value, relative_error
 
 import collage_compile
+from collage_compile import _compat
 
 SHAPE = (64, 32)  # two 32x32 tiles: what Inductor transposes
 STEPS = 12
@@ -58,7 +59,10 @@ def test_a_gradient_column_major_from_the_first_step_is_read_right():
     print(f"column-major gradient: {err:.2%} from float64, plain bf16 {err_plain:.2%}")
     assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
     said = _said(rec)
-    assert len(said) == 1 and "params[0].grad (strides (1, 64))" in said[0], said
+    if _compat.cpp_vectorizes_avx512():  # else the step was never at risk: no word
+        assert len(said) == 1 and "params[0].grad (strides (1, 64))" in said[0], said
+    else:
+        assert not said, said
 
 
 def test_a_dtensor_gradient_recompiled_for_another_layout_is_read_right(tmp_path):
@@ -101,4 +105,4 @@ def test_a_dtensor_gradient_recompiled_for_another_layout_is_read_right(tmp_path
     err = relative_error(value, ref, start[0])
     err_plain = relative_error(plain, ref, start[0])
     assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
-    assert len(_said(rec)) == 1, [str(w.message) for w in rec]
+    assert len(_said(rec)) == int(_compat.cpp_vectorizes_avx512()), [str(w.message) for w in rec]
