@@ -42,6 +42,8 @@ ELSEWHERE = {
     "python -m benchmarks.host": "timing, a minute; tests/test_host_cost.py counts the host work",
     "python -m benchmarks.triton_compile": "Triton compiles, minutes; tests/test_benchmarks.py "
     "runs it at one layer",
+    "python tools/probe_tiles.py": "what it prints is the machine's compiler's; "
+    "tests/test_tiles.py checks the backend's answer to it",
 }
 _COMMAND = re.compile(r"(?:^|`|\$ )(python3? (?:-m [^\s`]+|[^\s`]+\.py)(?: [^`\n]*)?)", re.M)
 
