@@ -83,10 +83,12 @@ def build(variant: str, n: int, device: str = "cpu", schedule: bool = False) -> 
     if mode == "plain":
         step = torch.compile(opt.step, mode="reduce-overhead" if captured else None)
 
-    def run() -> None:  # holds the scheduler, and through it the optimizer, alive:
-        step()  # a compiled opt.step holds it weakly (AttributeError on '_opt_called')
+    # the step holds the optimizer and its scheduler alive: a compiled opt.step holds the
+    # optimizer weakly (AttributeError on '_opt_called' once built() returned)
+    def run(kept: tuple = (opt, sched)) -> None:
+        step()
         if schedule:
-            sched.step()
+            kept[1].step()
 
     for _ in range(5):  # compile (and capture), then settle
         run()

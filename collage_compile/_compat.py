@@ -414,15 +414,6 @@ def scalar_hint(x: Any) -> float | None:
     return None
 
 
-def size_hint(x: Any) -> int:
-    """A size or stride as an int: a SymInt as the value it was traced with (its
-    ``node.hint``, private), without adding a guard."""
-    if isinstance(x, torch.SymInt):
-        hint = getattr(x.node, "hint", None)
-        return int(hint) if hint is not None else -1
-    return int(x)
-
-
 def fake_scalar_f64(x: Any, device: Any = None) -> Any:
     """A fake 0-dim float64 tensor in the fake mode that made symbolic float ``x`` (the
     example value of a node computing ``x`` as a tensor), or None."""
@@ -719,20 +710,56 @@ def no_input_asserts_patch() -> dict[str, Any]:
     return {"size_asserts": False}
 
 
-def cpp_vectorizes_avx512() -> bool:
-    """Whether Inductor's C++ kernels are vectorized with AVX-512 here (its
-    ``cpu_vec_isa.pick_vec_isa``, AMX included; 2.11 and 2.13)."""
-    from torch._inductor import cpu_vec_isa
+def no_low_precision_tiles() -> Any:
+    """A context in which Inductor's C++ kernels never read or write a bf16/fp16 tensor
+    through transposed 2-D tiles.
 
-    return isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX512)
+    Where a kernel's tensors are laid out in different orders (a column-major gradient
+    beside a row-major weight, a channels-last weight beside contiguous state, a
+    transposed matmul result), Inductor vectorizes along one dimension and reads the
+    others through 32x32 tiles it transposes in a stack buffer (``transpose_mxn``).  For
+    bf16 and fp16 on AVX-512 that transpose is miscompiled by GCC 12.2 at Inductor's
+    ``-O3``: measured when a kernel transposes the same full tile twice (Inductor emits
+    one transpose per use), and in a standalone call compiled with Inductor's flags; the
+    kernel reads garbage, NaN included, silently.  Plain Inductor alike on 2.11 and 2.13
+    (``tools/probe_tiles.py``); float32 tiles are right.  Here, where
+    ``TilingSelect.select_tiling`` picks two tiling dimensions for a kernel with a
+    low-precision tensor, the inner one alone is kept: the kernel stays vectorized and
+    loads the transposed tensor element by element (right, measured).
 
+    ``select_tiling`` returns (factors, indices) on 2.11 and (factors, indices, stats) on
+    2.13.  A no-op post-grad pre-pass whose uuid names this rule keys Inductor's FX and
+    AOTAutograd caches, so a kernel tiled without it is never reused (a user's own
+    pre-pass is kept, and then keys alone)."""
+    from unittest import mock
 
-def unvectorized_cpp() -> Any:
-    """A context in which Inductor's C++ kernels are not vectorized (``cpp.simdlen = 0``,
-    2.11 and 2.13; a config key, so the FX graph cache keys on it).  For
-    :mod:`collage_compile.tiles`: GCC 12 at -O3 miscompiles the bf16/fp16 tile transpose
-    that vectorized kernels use for a tensor laid out otherwise than the loop."""
-    return torch._inductor.config.patch({"cpp.simdlen": 0})
+    from torch._inductor.codegen import cpp
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    original = cpp.TilingSelect.select_tiling
+
+    def select_tiling(self: Any, fn_list: Any, var_sizes_list: Any) -> Any:
+        out = original(self, fn_list, var_sizes_list)
+        factors, indices = out[0], out[1]
+        if len(indices) == 2:
+            dtypes = cpp._get_dtype_from_loopbodies(cpp._get_loop_body(fn_list))
+            if dtypes & {torch.bfloat16, torch.float16}:
+                return (factors[-1:], indices[-1:], *out[2:])
+        return out
+
+    class NoLowPrecisionTiles(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pass
+
+        def uuid(self) -> Any:
+            return ("collage: no low-precision tiles", get_hash_for_files((__file__,)))
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(cpp.TilingSelect, "select_tiling", select_tiling))
+    if torch._inductor.config.post_grad_custom_pre_pass is None:
+        key = {"post_grad_custom_pre_pass": NoLowPrecisionTiles()}
+        stack.enter_context(torch._inductor.config.patch(key))
+    return stack
 
 
 def bounded_inlining_patch() -> dict[str, Any]:

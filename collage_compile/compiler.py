@@ -11,7 +11,8 @@
       -> rewrite each into MCF    rewrite.plan_chains / emit
       -> attach lo state          rewrite.add_lo_inputs + a wrapper that passes lo tensors
       -> hand to Inductor         _compat.compile_with_inductor (roundings are fp32
-                                  arithmetic, mcf.round_to, so Inductor cannot drop them)
+                                  arithmetic, mcf.round_to, so Inductor cannot drop them;
+                                  no bf16 tile transposes, _compat.no_low_precision_tiles)
 
 A graph with nothing to upgrade goes to Inductor untouched: fp32/fp64 training is
 bit-identical to ``backend="inductor"``.
@@ -19,6 +20,7 @@ bit-identical to ``backend="inductor"``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -39,7 +41,6 @@ from collage_compile import (
     report,
     schedules,
     state,
-    tiles,
     watch,
 )
 from collage_compile.accumulators import Accumulator, GraphInfo
@@ -251,9 +252,10 @@ def _compile_rewritten(
     # every low-precision tensor starts eligible: the families claim what they understand,
     # then the mode keeps what it upgrades (modes.select)
     info = GraphInfo(gm, list(example_inputs), config)
-    written = list({names.display(w.acc.real, w.acc.name): None for w in info.writes})
-    shown = f"the graph that writes {', '.join(written[:3])}{', ...' if written[3:] else ''}"
-    with tiles.untiled_if_transposed(original, list(example_inputs), bool(written), shown):
+    # an optimizer step: no bf16/fp16 tile transposes in its C++ kernels (GCC 12 at -O3
+    # miscompiles them on AVX-512, silently); a forward pass goes to Inductor untouched
+    tiles = _compat.no_low_precision_tiles() if info.writes else contextlib.nullcontext()
+    with tiles:
         return _compile_analyzed(original, gm, normalized, info, example_inputs, config, record)
 
 

@@ -1,25 +1,27 @@
-"""A gradient laid out otherwise than its parameter from the first step (``tiles.py``).
+"""A bf16 tensor an optimizer step reads laid out otherwise than the weight it updates.
 
-Inductor's vectorized C++ kernel reads such a bf16 gradient through transposed 32x32 tiles,
-and GCC 12 at -O3 miscompiles that transpose on AVX-512 CPUs once a kernel stores two
-outputs, as every MCF kernel does (hi and lo): the compiled step went NaN, silently.  Such
-a step is now compiled without vectorization, said once.  Where Inductor does not
-vectorize with AVX-512 the step was right before too and is left as it is: the tests then
-check the numerics and that nothing is said.
+Inductor's vectorized C++ kernel read such a tensor through transposed 32x32 tiles, and
+GCC 12 at -O3 miscompiles that bf16 transpose on AVX-512 (``_compat.no_low_precision_tiles``):
+a column-major gradient from the first step sent the compiled step to NaN, silently, and
+so did an FSDP2 shard that changed layout (Dynamo recompiles for it).  The backend now
+keeps bf16/fp16 tiles out of an optimizer step's kernels: vectorized along one dimension,
+the transposed tensor loaded element by element.  The numbers fail before the fix only
+where the compiler has the bug (this project's machine); the generated code is checked
+everywhere.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
+from _dist import run_ranks
 from conftest import drifting_stream, mcf_value, relative_error
 
 import collage_compile
 from collage_compile import _compat
 
-SHAPE = (64, 32)  # two 32x32 tiles: what Inductor transposes
+SHAPE = (64, 32)  # two full 32x32 tiles: what Inductor transposed
 STEPS = 12
 
 
@@ -27,82 +29,77 @@ def _column_major(g: torch.Tensor) -> torch.Tensor:
     return g.t().contiguous().t()
 
 
-def _train(start, grads, dtype, compiled=True, wrap=lambda g, p: g):
-    """AdamW on one matrix; each step's gradient (``wrap``-ped) laid out column-major."""
+def _stream():
+    start, stream = drifting_stream([SHAPE], STEPS)
+    return start[0], [gs[0] for gs in stream]
+
+
+def _train(start, grads, dtype, compiled=True):
+    """AdamW on one matrix, each step's gradient column-major; the weight and the code
+    Inductor generated for the first (compiling) step."""
     p = torch.nn.Parameter(start.to(dtype, copy=True))
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, foreach=True)
     if compiled:
         collage_compile.compile_optimizer(opt)
-    for g in grads:
-        p.grad = wrap(_column_major(g.to(dtype)), p)
-        opt.step()
-    return p
-
-
-def _said(rec) -> list[str]:
-    return [str(w.message) for w in rec if "compiled without vectorization" in str(w.message)]
+    codes = []
+    for i, g in enumerate(grads):
+        p.grad = _column_major(g.to(dtype))
+        if i == 0 and compiled:
+            _, codes = _compat.run_and_keep_kernel_code(opt.step, fresh=True)
+        else:
+            opt.step()
+    return p, "\n".join(codes)
 
 
 def test_a_gradient_column_major_from_the_first_step_is_read_right():
-    """Before: the step compiled for the column-major gradient ended NaN on this machine
-    (GCC 12.2, AVX-512), plain bf16 finite and 0.9 off, with no word."""
-    start, stream = drifting_stream([SHAPE], STEPS)
-    grads = [gs[0] for gs in stream]
-    ref = _train(start[0], grads, torch.float64, compiled=False)
-    plain = _train(start[0], grads, torch.bfloat16, compiled=False)
+    """Before: NaN on this project's machine (GCC 12.2, AVX-512), plain bf16 finite and
+    84 % off, no word.  Now 0.17 % from float64, vectorized, and no bf16 tile."""
+    start, grads = _stream()
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
     torch._dynamo.reset()
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        compiled = _train(start[0], grads, torch.bfloat16)
-    err = relative_error(mcf_value(compiled), ref, start[0])
-    err_plain = relative_error(plain, ref, start[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        compiled, code = _train(start, grads, torch.bfloat16)
+    err = relative_error(mcf_value(compiled), ref, start)
+    err_plain = relative_error(plain, ref, start)
     print(f"column-major gradient: {err:.2%} from float64, plain bf16 {err_plain:.2%}")
     assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
-    said = _said(rec)
-    if _compat.cpp_vectorizes_avx512():  # else the step was never at risk: no word
-        assert len(said) == 1 and "params[0].grad (strides (1, 64))" in said[0], said
-    else:
-        assert not said, said
+    assert "transpose_mxn<at::BFloat16" not in code and "at::vec::" in code
 
 
-def test_a_dtensor_gradient_recompiled_for_another_layout_is_read_right(tmp_path):
-    """FSDP2's gradients are DTensors, and Dynamo does guard their shards' strides: a
-    shard laid out otherwise recompiles the step, and that graph transposed tiles, NaN
-    (one rank, gloo, in this process).  Now it is compiled without vectorization too."""
-    import torch.distributed as dist
+def _fsdp_shard_changes_layout(rank: int, world: int) -> tuple[float, float, int]:
+    """One rank: an FSDP2 weight whose gradient shard is column-major every other step.
+    Dynamo guards a shard's strides, so the step compiles for both layouts; the second
+    graph transposed tiles.  Returns (error, plain bf16's error, CollageWarnings)."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    start, stream = drifting_stream([SHAPE], STEPS)
-    grads = [gs[0] for gs in stream]
-    ref = _train(start[0], grads, torch.float64, compiled=False)
-    plain = _train(start[0], grads, torch.bfloat16, compiled=False)
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        from torch.distributed.fsdp import fully_shard
+    start, grads = _stream()
+    ref, _ = _train(start, grads, torch.float64, compiled=False)
+    plain, _ = _train(start, grads, torch.bfloat16, compiled=False)
+    model = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False).bfloat16()
+    with torch.no_grad():
+        model.weight.copy_(start)
+    fully_shard(model)
+    w = model.weight
+    opt = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.1, foreach=True)
+    collage_compile.compile_optimizer(opt)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i, g in enumerate(grads):
+            g = g.bfloat16()
+            w.grad = DTensor.from_local(
+                _column_major(g) if i % 2 else g, w.device_mesh, w.placements
+            )
+            opt.step()
+    said = [r for r in rec if issubclass(r.category, collage_compile.CollageWarning)]
+    value = mcf_value(w).to_local()
+    return relative_error(value, ref, start), relative_error(plain, ref, start), len(said)
 
-        def shard(g, p):  # every other step row-major: the step compiles for both
-            shard.calls += 1
-            g = g.contiguous() if shard.calls % 2 else g
-            return DTensor.from_local(g, p.device_mesh, p.placements)
 
-        shard.calls = 0
-        model = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False).bfloat16()
-        with torch.no_grad():
-            model.weight.copy_(start[0])
-        fully_shard(model)
-        opt = torch.optim.AdamW([model.weight], lr=1e-3, weight_decay=0.1, foreach=True)
-        collage_compile.compile_optimizer(opt)
-        torch._dynamo.reset()
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            for g in grads:
-                model.weight.grad = shard(_column_major(g.bfloat16()), model.weight)
-                opt.step()
-        value = mcf_value(model.weight).to_local()
-    finally:
-        dist.destroy_process_group()
-    err = relative_error(value, ref, start[0])
-    err_plain = relative_error(plain, ref, start[0])
+def test_an_fsdp2_shard_laid_out_otherwise_is_read_right():
+    """Before: NaN after the recompile, plain bf16 0.9 off, no word."""
+    err, err_plain, said = run_ranks(_fsdp_shard_changes_layout, 1)[0]
     assert err < 3e-3 and err_plain > 30 * err, (err, err_plain)
-    assert len(_said(rec)) == int(_compat.cpp_vectorizes_avx512()), [str(w.message) for w in rec]
+    assert said == 0
