@@ -594,7 +594,7 @@ class _LoInputs:
             t = example_inputs[i] if i < len(example_inputs) else None
             if source.endswith(".grad") and isinstance(t, torch.Tensor):
                 # a DTensor's shard strides Dynamo does guard: another layout recompiles
-                # (measured on 2.13; tests/test_tiles.py -k dtensor)
+                # (measured on 2.13; tests/test_tiles.py -k fsdp2)
                 if not _compat.is_dtensor(t):
                     self.grad_layouts[i] = t.stride()
         self._grad_inputs = list(self.grad_layouts)

@@ -80,7 +80,7 @@ run() {
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
     probe) part 120 probe.log python3 tools/probe_exact.py --code "$out/probe_code.txt" ;;
-    # the host's C++ compiler first: does it transpose bf16 tiles right? (tiles.py)
+    # the host's C++ compiler first: does it transpose bf16 tiles right?
     suite) part 60 tiles.log python3 tools/probe_tiles.py
         part 460 suite.log python3 -m pytest -n 14 -q -rfs --tb=short --durations=15 ;;
     replay) part 100 replay.log python3 -m pytest -n 6 -q -rfs --tb=short tests/test_replay.py ;;

@@ -1,4 +1,4 @@
-"""Does this machine's Inductor read a transposed bf16/fp16 tile right? (``tiles.py``)
+"""Does this machine's Inductor read a transposed bf16/fp16 tile right?
 
     python tools/probe_tiles.py
 
