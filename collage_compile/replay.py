@@ -109,7 +109,8 @@ class WholeStep:
         # frames, its graph and memory pool alive)
         self.capture_error: str | None = None
         self.missed = 0  # steps in a row that differed from the one recorded before them
-        if not type(optimizer).__module__.startswith("torch.optim."):
+        module = type(optimizer).__module__  # torch.optim.adamw; Muon's is torch.optim
+        if module != "torch.optim" and not module.startswith("torch.optim."):
             self._refuse(f"{type(optimizer).__name__} is not one of torch.optim's optimizers")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
