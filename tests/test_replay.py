@@ -212,11 +212,12 @@ def test_a_gradient_laid_out_otherwise_is_read_by_its_values():
     _same_bits(compiled, replayed)
 
 
-def _muon_runs(**options):
-    """torch.optim.Muon on a wide and a tall matrix under a warmup, compiled by
-    ``compile_optimizer(**options)`` (None: eager); its weights, optimizer, CollageWarnings."""
+def _muon_runs(dtype=torch.bfloat16, **options):
+    """torch.optim.Muon on a wide and a tall matrix under a warmup, in ``dtype``, compiled
+    by ``compile_optimizer(**options)`` (``compiled=False``: eager); its start, weights,
+    optimizer and CollageWarnings."""
     start, grads = drifting_stream([(32, 64), (64, 32)], 12)
-    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    ps = [torch.nn.Parameter(t.to(dtype)) for t in start]
     opt = torch.optim.Muon(ps, lr=1e-3)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -225,28 +226,30 @@ def _muon_runs(**options):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 5))
         for gs in grads:
             for p, g in zip(ps, gs):
-                p.grad = 0.01 * g
+                p.grad = 0.01 * g.to(dtype)
             opt.step()
             sched.step()
-    return ps, opt, [str(w.message) for w in rec if issubclass(w.category, Warning)]
+    return start, ps, opt, [str(w.message) for w in rec if issubclass(w.category, Warning)]
 
 
 def test_muon_is_replayed_too():
     """Muon's class says it lives in ``torch.optim`` itself (AdamW's in
     ``torch.optim.adamw``), and the replay refused it as "not one of torch.optim's
-    optimizers", falsely.  Replayed, it is the compiled step bit for bit, whose weights
-    moved (their pairs carry what bf16 dropped: tests/test_all_optimizers.py -k Muon)."""
-    plain, _, _ = _muon_runs(compiled=False)
+    optimizers", falsely.  Replayed, it is the compiled step bit for bit, and nearer a
+    float64 run than plain bf16 by far (Muon's Newton-Schulz runs in bf16 whatever the
+    weights, so the float64 run's updates differ by that rounding: ``-s`` prints them)."""
+    start, ref, _, _ = _muon_runs(torch.float64, compiled=False)
+    _, plain, _, _ = _muon_runs(compiled=False)
     torch._dynamo.reset()
-    compiled, _, _ = _muon_runs()
+    _, compiled, _, _ = _muon_runs()
     torch._dynamo.reset()
-    replayed, opt, said = _muon_runs(cudagraphs=True)
+    _, replayed, opt, said = _muon_runs(cudagraphs=True)
     assert not said, said
     assert opt.step.whole_step.replays == 12 - 2
     _same_bits(compiled, replayed)
-    for r, p in zip(replayed, plain):  # compensation is live: the pair is not plain bf16's
-        assert not torch.equal(mcf_value(r), p.double())
-        assert collage_compile.components(r)[1].abs().max() > 0
+    err, err_plain = _errors(replayed, ref, plain, start)
+    print(f"Muon replayed {err:.2%} from float64, plain bf16 {err_plain:.2%}")
+    assert err < 0.02 and err_plain > 10 * err, (err, err_plain)
 
 
 def test_a_replayed_exact_step_is_the_fp32_step_bit_for_bit():
