@@ -33,16 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import (
-    _compat,
-    names,
-    remainder,
-    replay,
-    report,
-    schedules,
-    state,
-    watch,
-)
+from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
 from collage_compile.accumulators import Accumulator, GraphInfo
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
