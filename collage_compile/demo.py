@@ -42,7 +42,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -398,6 +398,17 @@ class StepProfile:
         }
 
 
+class StepTime(NamedTuple):
+    """One training step: its loss; its time, its optimizer step's, and of that the time
+    until ``step()`` returned (the host's part: what follows is waiting for the device), in
+    ms."""
+
+    loss: float
+    step_ms: float
+    opt_ms: float
+    opt_host_ms: float
+
+
 class _Run:
     """One strategy's training loop and what it records."""
 
@@ -424,6 +435,7 @@ class _Run:
         self.step_loss: list[float] = []
         self.step_ms: list[float] = []
         self.opt_ms: list[float] = []
+        self.opt_host_ms: list[float] = []
         self.profile = StepProfile(s.profile_steps, s.steps, s.device)
 
     @torch.no_grad()
@@ -449,12 +461,13 @@ class _Run:
             sampled = s.metrics and (i + 1) % sample_every == 0
             before = st.snapshot() if sampled else None
             profiled = self.profile.start(i)
-            loss, step_ms, opt_ms = self.step(i, st.measured() if sampled else None)
+            t = self.step(i, st.measured() if sampled else None)
             self.profile.stop(i)
             if not profiled:  # the profiler's own cost is not the step's
-                self.step_ms.append(step_ms)
-                self.opt_ms.append(opt_ms)
-            self.step_loss.append(loss)
+                self.step_ms.append(t.step_ms)
+                self.opt_ms.append(t.opt_ms)
+                self.opt_host_ms.append(t.opt_host_ms)
+            self.step_loss.append(t.loss)
             if sampled:
                 self.record_metrics(i + 1, st.metrics(before))
             if (i + 1) % s.eval_every == 0 or i + 1 == s.steps:
@@ -462,9 +475,9 @@ class _Run:
                 bar.set_postfix(val=f"{self.curve['val'][-1]:.4f}")
         bar.close()
 
-    def step(self, i: int, measured: Any = None) -> tuple[float, float, float]:
+    def step(self, i: int, measured: Any = None) -> StepTime:
         """One training step on batch ``i`` (modulo the run's), the scheduler's step after
-        it: its loss, and its time and its optimizer step's, in ms (synchronized)."""
+        it: its loss and times (synchronized before and after the optimizer step)."""
         s, st, region = self.s, self.st, self.profile.region
         x, y = get_batch(self.train, self.starts[i % len(self.starts)], s.block_size, s.device)
         _sync(s.device)
@@ -481,10 +494,11 @@ class _Run:
         t1 = time.perf_counter()
         with region("optimizer"), measured or contextlib.nullcontext():
             st.step()
+            returned = time.perf_counter()
             _sync(s.device)
         t2 = time.perf_counter()
         self.sched.step()
-        return loss.item(), 1e3 * (t2 - t0), 1e3 * (t2 - t1)
+        return StepTime(loss.item(), 1e3 * (t2 - t0), 1e3 * (t2 - t1), 1e3 * (returned - t1))
 
     def record_metrics(self, step: int, m: dict[str, float]) -> None:
         if m:
@@ -504,10 +518,11 @@ class _Run:
             "curve": self.curve,
             "step_loss": self.step_loss,
             "edq_curve": self.edq,
-            **step_times(self.step_ms, self.opt_ms, skip=3),
+            **step_times(self.step_ms, self.opt_ms, self.opt_host_ms, skip=3),
             "step_ms": self.step_ms,
             "profile": self.profile.summary,
             "opt_ms": self.opt_ms,
+            "opt_host_ms": self.opt_host_ms,
             "first_step_s": self.step_ms[0] / 1e3,
             "wall_s": wall,
             "n_params": n_params,
@@ -522,16 +537,22 @@ class _Run:
         return out
 
 
-def step_times(step_ms: list[float], opt_ms: list[float], skip: int) -> dict[str, float]:
-    """A step's time, its optimizer step's and the rest's (forward, backward, clipping) in
-    ms, after the first ``skip`` steps (which compile and warm caches).  On a shared machine
-    other processes stall some steps by whole scheduler slices, so the 20th percentile says
-    what the code costs better than the median (also given)."""
+def step_times(
+    step_ms: list[float], opt_ms: list[float], opt_host_ms: list[float], skip: int
+) -> dict[str, float]:
+    """A step's time, its optimizer step's, the part of that until ``step()`` returned
+    (host work; the rest is the device finishing) and the rest of the step's (forward,
+    backward, clipping) in ms, after the first ``skip`` steps (which compile and warm
+    caches).  On a shared machine other processes stall some steps by whole scheduler
+    slices, so the 20th percentile says what the code costs better than the median (also
+    given)."""
     warm = step_ms[min(skip, len(step_ms) - 1) :]
     warm_opt = opt_ms[min(skip, len(opt_ms) - 1) :]
+    warm_host = opt_host_ms[min(skip, len(opt_host_ms) - 1) :]
     return {
         "ms_per_step": _quantile(warm, 0.2),
         "opt_ms_per_step": _quantile(warm_opt, 0.2),
+        "opt_host_ms_per_step": _quantile(warm_host, 0.2),
         "fwd_bwd_ms_per_step": _quantile([t - o for t, o in zip(warm, warm_opt)], 0.2),
         "ms_per_step_median": statistics.median(warm),
         "opt_ms_per_step_median": statistics.median(warm_opt),

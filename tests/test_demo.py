@@ -45,6 +45,8 @@ def test_demo_writes_table_png_and_json_for_every_strategy(tmp_path, capsys):
         # percentile of the steps after the first 3 (which compile), the median beside it
         assert len(r["step_ms"]) == len(r["opt_ms"]) == 12, name
         assert all(0 < o <= t for o, t in zip(r["opt_ms"], r["step_ms"])), name
+        # the host's part of the optimizer step ends before the synchronization after it
+        assert all(0 < h <= o for h, o in zip(r["opt_host_ms"], r["opt_ms"])), name
         assert sum(r["step_ms"]) / 1e3 <= r["wall_s"], name
         warm = r["step_ms"][3:]
         assert r["ms_per_step_median"] == statistics.median(warm), name
@@ -140,6 +142,7 @@ def test_llama_demo_runs_every_strategy_at_a_tiny_size(tmp_path):
         assert f"{name} profiled (2 steps), per step: fwd+bwd" in demo_llama.profile_lines(r)
         assert r["bytes_per_param"] == pytest.approx(state[name], abs=0.01), name
         assert 0 < r["opt_ms_per_step"] < r["ms_per_step"], name
+        assert 0 < r["opt_host_ms_per_step"] <= r["opt_ms_per_step"], name
         # timed side by side after training (two rounds of two steps each), the training's
         # own times kept
         assert r["side_by_side"] == {"rounds": 2, "steps": 2}, name
