@@ -10,8 +10,10 @@ next step is captured whole, as one CUDA graph; every step after it is
 
     checks       the step would call the same graphs on the same tensors: the same
                  param_groups, parameters, optimizer state and hyperparameters, the same
-                 gradients present, no hooks, and per graph the registry's pairs and no
-                 write from outside since its last call (each a pass over a list, in C);
+                 gradients present, no hooks, each parameter and state value on the
+                 storage captured (a graph holds addresses), and per graph the registry's
+                 pairs and no write from outside since its last call (each a pass over a
+                 list, in C);
                  once the parameters and gradients passed, the gradients are copied into
                  the captured graph's own buffers (never into a tensor the user holds),
                  one ``_foreach_copy_``, so that the device copies while the host checks
@@ -66,6 +68,7 @@ _compiles = 0
 MISSED = 20
 
 _GRAD = operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 _IS_NONE = functools.partial(operator.is_, None)
@@ -386,6 +389,7 @@ class _Plan:
         self._grad_shards()
         self._state_columns()
         self._pair_checks([w for w, r in zip(self.wrappers, roles) if r == "pairs"])
+        self._addresses()
 
     def _private_grads(self) -> None:
         """Where the graphs are called directly (a CPU): their gradient inputs replaced by
@@ -497,6 +501,26 @@ class _Plan:
             known = all(id(t) in held for t in tensors)
             self.pair_checks.append((wrapper, tensors if known else None))
 
+    def _addresses(self) -> None:
+        """Where the elements of each parameter and state value lie that no pair check
+        reads already.  A CUDA graph reads and writes them by address: after ``t.data =
+        other`` (a state moved off the device and back by hand, ``set_``) the same tensor
+        sits on a new storage, and a replay would update the freed one.  A DTensor's
+        address is its shard's (its own ``data_ptr`` is 0)."""
+        checked = {id(t) for _, ts in self.pair_checks if ts is not None for t in ts}
+        tensors = list(itertools.chain(self.params, self.state_values))
+        self.sharded = any(map(_compat.is_dtensor, tensors))
+        if not self.sharded:  # the pair checks compare their tensors' addresses
+            tensors = [t for t in tensors if id(t) not in checked]
+        self.placed = tensors
+        self.places = self._where()
+
+    def _where(self) -> list[int]:
+        tensors = self.placed
+        if self.sharded:
+            tensors = list(map(_compat.local_tensor, tensors))
+        return list(map(_DATA_PTR, tensors))
+
     def _state_columns(self) -> None:
         """The optimizer's state as it is: its dict and every value of each parameter's."""
         state = self.state_obj = self.optimizer.state
@@ -537,6 +561,8 @@ class _Plan:
         why = self._state_changed()
         if why is not None:
             return why
+        if self._where() != self.places:
+            return "a parameter or a state value moved to new storage (t.data = ...?)"
         for wrapper, tensors in self.pair_checks:
             why = wrapper.replay_blocker(tensors)
             if why is not None:

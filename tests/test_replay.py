@@ -288,9 +288,24 @@ def _no_grad(ps, opt):
     ps[1].grad = None
 
 
+def _state_moved_back(ps, opt, away="cpu"):
+    """The ``optimizer_to(device)`` helper users copy: each state tensor moved by ``v.data
+    = v.data.to(...)``, off the device and back (on a CPU: a copy), so the same tensors sit
+    on new storages."""
+    for st in opt.state.values():
+        for v in st.values():
+            if away == v.device.type:
+                v.data = v.data.clone()
+            else:
+                device = v.device
+                v.data = v.data.to(away)
+                v.data = v.data.to(device)
+
+
 def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ(monkeypatch):
     """What Dynamo would recompile for (a hyperparameter set by hand, a gradient that is
-    None), what replaces the optimizer's state (``load_state_dict``) and a write to a
+    None), what replaces the optimizer's state (``load_state_dict``), a state moved to
+    new storage (which a CUDA graph would read at the old address) and a write to a
     weight outside the step (which the compiled step's wrapper names and answers by
     restarting that weight's lo) each make the next step run compiled, then be recorded
     and replayed again: the weights are those of the compiled step under the same events,
@@ -305,7 +320,8 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
     for whole in (False, True):
         torch._dynamo.reset()
         kept: list = []
-        events = {4: _keep(kept), 7: _decay, 11: _rewind(kept), 15: _outside_write, 19: _no_grad}
+        events = {4: _keep(kept), 7: _decay, 11: _rewind(kept), 15: _outside_write}
+        events.update({19: _no_grad, 22: _state_moved_back})
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
@@ -316,7 +332,7 @@ def test_a_replay_gives_way_to_the_compiled_step_whenever_that_step_would_differ
     _same_bits(compiled, replayed)
     whole = opt.step.whole_step
     reasons = " | ".join(whole.given_way)
-    for why in ("hyperparameter", "state", "outside", "gradient"):
+    for why in ("hyperparameter", "state", "outside", "gradient", "new storage"):
         assert why in reasons, reasons
     # each event costs a compiled call and a recorded one, a recompile one more
     assert whole.replays >= 24 - 2 - 3 * len(whole.given_way), (whole.replays, reasons)
@@ -554,3 +570,26 @@ def test_on_cuda_an_optimizer_that_stepped_eagerly_first_is_replayed():
     _same_bits(compiled, replayed)
     err, err_plain = _errors(replayed, ref, plain, start)
     assert err_plain > 10 * err, (err_plain, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_cuda_state_moved_off_the_device_and_back_is_followed():
+    """A CUDA graph reads and writes by address.  ``v.data = v.data.cpu()`` and back, on
+    every state tensor mid-run (the ``optimizer_to`` helper), leaves the same tensors on
+    new storages: a replay that trusted identity would update the freed ones and leave the
+    user's state frozen.  The replay gives way for a step and captures again: the weights
+    are the compiled step's under the same event, bit for bit."""
+    start, grads = drifting_stream([(64, 32), (32,)], STEPS)
+    start = [t.cuda() for t in start]
+    grads = [[g.cuda() for g in gs] for gs in grads]
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        runs[whole] = _train(
+            start, grads, torch.bfloat16, {12: _state_moved_back}, cudagraphs=whole
+        )
+    (compiled, _), (replayed, opt) = runs[False], runs[True]
+    whole = opt.step.whole_step
+    assert any("new storage" in why for why in whole.given_way), whole.given_way
+    assert whole.replays >= STEPS - 6, whole.replays
+    _same_bits(compiled, replayed)
