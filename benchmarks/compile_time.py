@@ -53,10 +53,10 @@ def adamw_step(variant: str, shapes: list, device: str) -> Callable[[], Any]:
     import torch
 
     import collage_compile
-    from benchmarks.step import LR, WD, make_params
+    from benchmarks.step import DEFAULT, make_params
 
     ps = make_params(shapes, device, torch.bfloat16)
-    opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
+    opt = DEFAULT.adamw(ps, foreach=True)
     backend = "inductor" if variant == "plain" else collage_compile.make_backend(mode=variant)
     return torch.compile(opt.step, backend=backend)
 

@@ -6,9 +6,11 @@
                               [--threads N] [--clock wall|cpu] [--rounds 15] [--jobs N]
                               [--new-grads] [--json PATH] [--plot PATH]
 
-One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``;
-``--size demo``: the 75 parameters of ``examples/train_llama.py``'s Llama, 25.17M) and one
-stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant:
+One GPT-style layer list of bf16 parameters (``benchmarks.metrics_overhead.layer_shapes``)
+and one stock ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) per variant; ``--size
+demo``: the 75 parameters of ``examples/train_llama.py``'s Llama (25.17M) and its AdamW
+(betas (0.9, 0.95), weight decay 0.1 on matrices only: two param groups), so that the
+step timed is the example's:
 
 * ``fp32 master``: (16, 32) mixed precision.  fp32 master weights, fp32 grads and state,
   compiled with plain Inductor; the step also writes the bf16 model copy the forward pass
@@ -75,13 +77,58 @@ from collage_compile import _compat
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """The AdamW every variant runs.  ``matrices_only``: weight decay on the parameters of
+    two or more dimensions, none on the others (two param groups, as the demos make)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    matrices_only: bool = False
+
+    def groups(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """``params`` as param groups with their weight decay."""
+        if not self.matrices_only:
+            return [{"params": params, "weight_decay": self.weight_decay}]
+        matrices = [p for p in params if p.dim() >= 2]
+        return [
+            {"params": matrices, "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    def adamw(self, params: list[torch.Tensor], cls: Any = None, **kw: Any) -> Any:
+        """``cls`` (torch's AdamW by default) over ``params`` with these settings."""
+        cls = cls or torch.optim.AdamW
+        return cls(self.groups(params), lr=self.lr, betas=self.betas, eps=self.eps, **kw)
+
+    def decay_of(self, p: torch.Tensor) -> float:
+        return self.weight_decay if p.dim() >= 2 or not self.matrices_only else 0.0
+
+    def describe(self) -> str:
+        on = " on matrices" if self.matrices_only else ""
+        return f"lr {self.lr:g}, betas {self.betas}, weight decay {self.weight_decay:g}{on}"
+
+
+DEFAULT = Hyper()
+# examples/train_llama.py's AdamW at its defaults (its peak lr; the schedule moves only lr)
+DEMO = Hyper(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), matrices_only=True)
 
 # Bytes a step must read and write per parameter (the memory-bound floor), AdamW:
 # fp32 master: master r/w 8, fp32 grad 4, m r/w 8, v r/w 8, bf16 model copy written 2;
 # bf16: p r/w 4, grad 2, m r/w 4, v r/w 4; light adds lo r/w 4; plus also v's lo r/w 4;
 # exact: p, m and v each with its remainder r/w 8, grad 2.
 FLOOR_BYTES = {"fp32": 30, "bf16": 14, "light": 18, "plus": 22, "exact": 26}
+
+
+def floor_bytes(mode: str, hyper: Hyper) -> int:
+    """:data:`FLOOR_BYTES`, where plus pairs the second moment only at ``beta2 >=
+    plus_min_decay`` (0.99): below it plus moves light's bytes."""
+    if mode == "plus" and hyper.betas[1] < collage_compile.CollageConfig().plus_min_decay:
+        return FLOOR_BYTES["light"]
+    return FLOOR_BYTES[mode]
 
 
 @dataclasses.dataclass
@@ -128,8 +175,9 @@ class EagerCollageAdamW:
     ``(p, dp)`` with Grow: ``s = p + u; dp += u - (s - p); p = s + dp; dp -= p - s``.
     """
 
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = params
+    def __init__(self, params: list[torch.Tensor], hyper: Hyper = DEFAULT):
+        self.params, self.hyper = params, hyper
+        self.decay = [hyper.decay_of(p) for p in params]
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
         self.dp = [torch.zeros_like(p) for p in params]
@@ -137,7 +185,8 @@ class EagerCollageAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        b1, b2 = BETAS
+        h = self.hyper
+        b1, b2 = h.betas
         self.t += 1
         grads = [p.grad for p in self.params]
         torch._foreach_lerp_(self.m, grads, 1 - b1)
@@ -145,10 +194,11 @@ class EagerCollageAdamW:
         torch._foreach_addcmul_(self.v, grads, grads, 1 - b2)
         denom = torch._foreach_sqrt(self.v)
         torch._foreach_div_(denom, (1 - b2**self.t) ** 0.5)
-        torch._foreach_add_(denom, EPS)
+        torch._foreach_add_(denom, h.eps)
         u = torch._foreach_div(self.m, denom)
-        torch._foreach_add_(u, self.params, alpha=WD * (1 - b1**self.t))
-        torch._foreach_mul_(u, -LR / (1 - b1**self.t))
+        decay = torch._foreach_mul(self.params, [wd * (1 - b1**self.t) for wd in self.decay])
+        torch._foreach_add_(u, decay)
+        torch._foreach_mul_(u, -h.lr / (1 - b1**self.t))
         s = torch._foreach_add(self.params, u)  # Grow
         torch._foreach_add_(u, torch._foreach_sub(s, self.params), alpha=-1)
         torch._foreach_add_(self.dp, u)
@@ -172,11 +222,12 @@ def build_variants(
     foreach: bool,
     only: tuple[str, ...] = OPTIONAL,
     keep: str | None = None,
+    hyper: Hyper = DEFAULT,
 ) -> list[Variant]:
     """fp32 master and plain bf16 (the references of every ratio), then those of
     :data:`OPTIONAL` named in ``only``; ``keep``: only the variant of that name (a
     compile worker builds nothing else: at ``--size gpu`` each variant's tensors are GBs)."""
-    factories = _factories(shapes, device, foreach, only)
+    factories = _factories(shapes, device, foreach, only, hyper)
     if "cudagraphs" in only and device != "cuda" and keep is None:
         print("skipped: cudagraphs rows (CUDA graphs capture CUDA work only)", file=sys.stderr)
     if keep is not None:
@@ -185,13 +236,17 @@ def build_variants(
 
 
 def _factories(
-    shapes: list[tuple[int, ...]], device: str, foreach: bool, only: tuple[str, ...]
+    shapes: list[tuple[int, ...]],
+    device: str,
+    foreach: bool,
+    only: tuple[str, ...],
+    hyper: Hyper = DEFAULT,
 ) -> dict[str, Callable[[], list[Variant]]]:
     """Each variant's name (a group's, for ``others``) and what builds it, in table order."""
 
     def stock(name: str, backend: Any, floor: int, mode: str | None = None) -> list[Variant]:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=foreach)
+        opt = hyper.adamw(ps, foreach=foreach)
 
         def tensors() -> list[torch.Tensor]:
             los = [collage_compile.components(p)[1] for p in ps]
@@ -202,17 +257,17 @@ def _factories(
         return [Variant(name, step, tensors, floor, ps)]
 
     out: dict[str, Callable[[], list[Variant]]] = {
-        MASTER: lambda: [_master(shapes, device, foreach)],
+        MASTER: lambda: [_master(shapes, device, foreach, hyper)],
         "plain bf16": lambda: stock("plain bf16", "inductor", FLOOR_BYTES["bf16"]),
     }
     if "fused" in only:
-        out[FUSED32] = lambda: [_fused32(shapes, device)]
-        out[FUSED16] = lambda: [_fused16(shapes, device)]
+        out[FUSED32] = lambda: [_fused32(shapes, device, hyper)]
+        out[FUSED16] = lambda: [_fused16(shapes, device, hyper)]
     for mode in ("light", "plus", "exact"):
         if mode in only:
             out[f"collage {mode}"] = functools.partial(
                 lambda m: stock(
-                    f"collage {m}", collage_compile.make_backend(mode=m), FLOOR_BYTES[m]
+                    f"collage {m}", collage_compile.make_backend(mode=m), floor_bytes(m, hyper)
                 ),
                 mode,
             )
@@ -224,20 +279,22 @@ def _factories(
         for mode in ("light", "plus"):  # with or without their uncaptured rows
             name = f"collage {mode} cudagraphs"
             out[name] = functools.partial(
-                lambda n, m: [_replayed(n, m, shapes, device)], name, mode
+                lambda n, m: [_replayed(n, m, shapes, device, hyper)], name, mode
             )
     if "eager" in only:
-        out["eager Collage (ref)"] = lambda: [_eager(shapes, device)]
+        out["eager Collage (ref)"] = lambda: [_eager(shapes, device, hyper)]
     if "others" in only:
-        out["others"] = lambda: _third_party(shapes, device, foreach)
+        out["others"] = lambda: _third_party(shapes, device, foreach, hyper)
     return out
 
 
-def _master(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> Variant:
+def _master(
+    shapes: list[tuple[int, ...]], device: str, foreach: bool, hyper: Hyper = DEFAULT
+) -> Variant:
     """(16, 32): fp32 master weights and state; the bf16 model copy written every step."""
     master = make_params(shapes, device, torch.float32)
     model = [p.detach().to(torch.bfloat16) for p in master]
-    opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=foreach)
+    opt32 = hyper.adamw(master, foreach=foreach)
 
     def step32(opt=opt32, master=master, model=model):
         opt.step()
@@ -253,30 +310,32 @@ def _master(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> Varian
     )
 
 
-def _eager(shapes: list[tuple[int, ...]], device: str) -> Variant:
-    ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16))
+def _eager(shapes: list[tuple[int, ...]], device: str, hyper: Hyper = DEFAULT) -> Variant:
+    ref = EagerCollageAdamW(make_params(shapes, device, torch.bfloat16), hyper)
     return Variant("eager Collage (ref)", ref.step, ref.tensors, 18, ref.params, compiled=False)
 
 
-def _replayed(name: str, mode: str, shapes: list[tuple[int, ...]], device: str) -> Variant:
+def _replayed(
+    name: str, mode: str, shapes: list[tuple[int, ...]], device: str, hyper: Hyper = DEFAULT
+) -> Variant:
     """``compile_optimizer(opt, mode=mode, cudagraphs=True)``: the step replayed whole."""
     ps = make_params(shapes, device, torch.bfloat16)
-    opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
+    opt = hyper.adamw(ps, foreach=True)
     collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=True)
 
     def tensors() -> list[torch.Tensor]:
         los = [collage_compile.components(t)[1] for t in [*ps, *_state_tensors(opt)]]
         return [*ps, *_state_tensors(opt), *(lo for lo in los if lo is not None)]
 
-    return Variant(name, opt.step, tensors, FLOOR_BYTES[mode], ps)
+    return Variant(name, opt.step, tensors, floor_bytes(mode, hyper), ps)
 
 
-def _fused32(shapes: list[tuple[int, ...]], device: str) -> Variant:
+def _fused32(shapes: list[tuple[int, ...]], device: str, hyper: Hyper = DEFAULT) -> Variant:
     """torch's ``AdamW(fused=True)``, eager as users run it, on fp32 master weights (with
     the bf16 model copy written after it)."""
     master = make_params(shapes, device, torch.float32)
     model = [p.detach().to(torch.bfloat16) for p in master]
-    opt32 = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=True)
+    opt32 = hyper.adamw(master, fused=True)
 
     def step32() -> None:
         opt32.step()
@@ -293,10 +352,10 @@ def _fused32(shapes: list[tuple[int, ...]], device: str) -> Variant:
     )
 
 
-def _fused16(shapes: list[tuple[int, ...]], device: str) -> Variant:
+def _fused16(shapes: list[tuple[int, ...]], device: str, hyper: Hyper = DEFAULT) -> Variant:
     """torch's ``AdamW(fused=True)`` on bf16 weights (plain low precision)."""
     ps = make_params(shapes, device, torch.bfloat16)
-    opt16 = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
+    opt16 = hyper.adamw(ps, fused=True)
     return Variant(
         FUSED16,
         opt16.step,
@@ -307,7 +366,9 @@ def _fused16(shapes: list[tuple[int, ...]], device: str) -> Variant:
     )
 
 
-def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> list[Variant]:
+def _third_party(
+    shapes: list[tuple[int, ...]], device: str, foreach: bool, hyper: Hyper = DEFAULT
+) -> list[Variant]:
     """optimi's Kahan-summation AdamW and torchao's bf16 stochastic-rounding AdamW, when
     installed (their own kernels, run as their authors ship them)."""
     out = []
@@ -318,9 +379,7 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
     else:
         ps = make_params(shapes, device, torch.bfloat16)
         # optimi's defaults differ (betas (0.9, 0.99), eps 1e-6): the same AdamW as the others
-        opt = optimi.AdamW(
-            ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, kahan_sum=True, foreach=foreach
-        )
+        opt = hyper.adamw(ps, optimi.AdamW, kahan_sum=True, foreach=foreach)
         out.append(
             Variant(
                 "optimi Kahan",
@@ -336,9 +395,7 @@ def _third_party(shapes: list[tuple[int, ...]], device: str, foreach: bool) -> l
         print("skipped: torchao bf16 SR AdamW (torchao not installed)", file=sys.stderr)
     else:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = TorchaoAdamW(
-            ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, bf16_stochastic_round=True
-        )
+        opt = hyper.adamw(ps, TorchaoAdamW, bf16_stochastic_round=True)
         out.append(
             Variant(
                 "torchao bf16 SR",
@@ -443,7 +500,7 @@ def _cold_compiles(args: argparse.Namespace, names: list[str], jobs: int) -> dic
 def _compile_only(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     """A compile worker (``--compile-only NAME``): builds that variant alone and compiles it."""
     (v,) = build_variants(
-        shapes, args.device, args.foreach, tuple(args.variants), args.compile_only
+        shapes, args.device, args.foreach, tuple(args.variants), args.compile_only, _hyper(args)
     )
     compile_variant(v, args.device)
     return {k: getattr(v, k) for k in COLD_KEYS}
@@ -492,7 +549,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _warm_up_inductor(args.device)
     if args.compile_only:
         return _compile_only(args, shapes)
-    variants = build_variants(shapes, args.device, args.foreach, tuple(args.variants))
+    hyper = _hyper(args)
+    variants = build_variants(shapes, args.device, args.foreach, tuple(args.variants), hyper=hyper)
     jobs = _jobs(args)
     cold = _cold_compiles(args, [v.name for v in variants if v.compiled], jobs)
     for v in variants:
@@ -581,6 +639,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": n,
         "tensors": len(shapes),
         "foreach": args.foreach,
+        "adamw": hyper.describe(),
         "new_grads": args.new_grads,
         "rounds": args.rounds,
         "jobs": jobs if cold else 1,
@@ -594,6 +653,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "copy_GBps": copy_gbs,
         "rows": rows,
     }
+
+
+def _hyper(args: argparse.Namespace) -> Hyper:
+    """The example's AdamW at ``--size demo`` (its parameters, its settings), else
+    :data:`DEFAULT`."""
+    return DEMO if args.size == "demo" and not args.shapes else DEFAULT
 
 
 def _shapes(args: argparse.Namespace) -> list[tuple[int, ...]]:
@@ -637,8 +702,8 @@ def format_table(res: dict[str, Any]) -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = [
-        f"AdamW step, {res['params'] / 1e6:.2f}M params in {res['tensors']} tensors, "
-        f"foreach={res['foreach']}, "
+        f"AdamW step ({res.get('adamw', DEFAULT.describe())}), {res['params'] / 1e6:.2f}M "
+        f"params in {res['tensors']} tensors, foreach={res['foreach']}, "
         + ("new gradient tensors every step, " if res.get("new_grads") else "")
         + f"{res['device']} ({res['machine']}), torch {res['torch']}, "
         f"{res['threads']} threads; median of {res['rounds']} interleaved rounds x "

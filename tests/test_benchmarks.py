@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import operator
 import os
 import pathlib
 import subprocess
@@ -145,6 +146,32 @@ def test_the_demo_size_is_the_llama_demos_parameters():
     assert sum(torch.Size(s).numel() for s in shapes) == 25_174_528
     assert shapes[0] == shapes[-1] == (256, 512)  # the embedding and the untied head
     assert demo_llama.parameter_shapes(["--n-layer", "2"]) == shapes[:19] + shapes[-2:]
+
+
+def test_the_demo_size_runs_the_llama_demos_adamw():
+    """``--size demo`` times the example's AdamW too: its betas (plus pairs the second
+    moment only at beta2 >= 0.99, so at the example's 0.95 it moves light's bytes) and its
+    weight decay on the matrices alone, in two param groups, in every variant."""
+    import argparse
+
+    from benchmarks import step
+    from collage_compile import demo, demo_llama
+
+    s = demo_llama.settings(demo_llama.parse_args([]))
+    hyper = step._hyper(argparse.Namespace(size="demo", shapes=None))
+    assert hyper == step.DEMO
+    assert (hyper.lr, hyper.betas, hyper.weight_decay) == (s.lr, (s.beta1, s.beta2), s.weight_decay)
+    shapes = demo_llama.parameter_shapes(["--n-layer", "1", "--n-embd", "16", "--n-head", "2"])
+    ps = [torch.zeros(x) for x in shapes]
+    want = demo.param_groups(dict(enumerate(ps)), s.weight_decay)
+    opt = hyper.adamw(ps, foreach=True)
+    for got, group in zip(opt.param_groups, want, strict=True):
+        assert len(got["params"]) == len(group["params"])
+        assert all(map(operator.is_, got["params"], group["params"]))
+        assert got["weight_decay"] == group["weight_decay"] and got["betas"] == hyper.betas
+    assert step.floor_bytes("plus", hyper) == step.floor_bytes("light", hyper) == 18
+    assert step.floor_bytes("plus", step.DEFAULT) == 22
+    assert step._hyper(argparse.Namespace(size="tiny", shapes=None)) == step.DEFAULT
 
 
 def test_cudagraphs_rows_are_plain_light_and_plus_captured_as_the_help_says():
