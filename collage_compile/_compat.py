@@ -492,6 +492,30 @@ def storage_weakref(t: torch.Tensor) -> Any:
     return StorageWeakRef(local_tensor(t).untyped_storage())
 
 
+def global_state() -> Callable[[], bool]:
+    """A check that the global state Dynamo guards on every compiled frame (grad mode,
+    autocast, the matmul precision flags, deterministic algorithms, default dtype, threads:
+    ``GlobalStateGuard``) and the torch function mode stack are as they are now.  A
+    whole-step replay runs no Dynamo, so it checks them itself.  ``torch._C._dynamo.guards.
+    GlobalStateGuard`` and ``torch._C._len_torch_function_stack``, checked on 2.11 and
+    2.13."""
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    modes = torch._C._len_torch_function_stack()
+    stack = torch._C._len_torch_function_stack
+
+    def same() -> bool:
+        return guard.check() and stack() == modes
+
+    return same
+
+
+def increment_versions(tensors: list[torch.Tensor]) -> None:
+    """Bump each tensor's version counter, as AOTAutograd's wrapper does after a compiled
+    call for the inputs it wrote (a CUDA graph's replay runs no host code).  One C call
+    over the list (``torch._C._increment_version``, 2.11 and 2.13)."""
+    torch._C._increment_version(tensors)
+
+
 def set_example_value(node: fx.Node, value: Any) -> None:
     node.meta["example_value"] = value
 

@@ -227,7 +227,7 @@ class _StepTicks:
         _compat.run_step_ticks(self.ticks)
         return out
 
-    def after_replay(self, versions: bool = True) -> None:
+    def after_replay(self) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
         _compat.run_step_ticks(self.ticks)
 
@@ -483,6 +483,7 @@ def inductor_options() -> dict[str, Any]:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _STRIDE = operator.methodcaller("stride")
+_DTYPE = operator.attrgetter("dtype")
 _IS_NONE = functools.partial(operator.is_, None)
 
 
@@ -572,15 +573,18 @@ class _LoInputs:
         # an optimizer's gradients among the inputs, and the strides the graph was compiled
         # for (expect_grad_layouts)
         self.grad_layouts: dict[int, tuple[int, ...]] = {}
+        self.grad_dtypes: dict[int, torch.dtype] = {}
         self._grad_inputs: list[int] = []
         self._grad_strides: list[tuple[int, ...]] = []
+        self._grad_dtypes: list[torch.dtype] = []
 
     def expect_grad_layouts(self, example_inputs: Sequence[Any]) -> None:
-        """Record the strides of the gradients among the inputs (``sources``).  Dynamo
-        does not guard an optimizer's gradients (nor its parameters), and the backend turns
-        off Inductor's input asserts (:func:`_compat.no_input_asserts_patch`): a gradient
-        laid out otherwise on a later call would be read in this layout, silently wrong,
-        where plain Inductor raises.  Each call compares the strides (one pass in C)."""
+        """Record the strides and dtypes of the gradients among the inputs (``sources``).
+        Dynamo does not guard an optimizer's gradients (nor its parameters), and the
+        backend turns off Inductor's input asserts (:func:`_compat.no_input_asserts_patch`):
+        a gradient laid out otherwise on a later call would be read in this layout, and one
+        of another dtype (``p.grad_dtype`` set mid-run) its bytes read as this dtype,
+        silently wrong.  Each call compares them (a pass in C each)."""
         for i, source in enumerate(self.sources):
             t = example_inputs[i] if i < len(example_inputs) else None
             if source.endswith(".grad") and isinstance(t, torch.Tensor):
@@ -588,26 +592,38 @@ class _LoInputs:
                 # (measured on 2.13; tests/test_tiles.py -k fsdp2)
                 if not _compat.is_dtensor(t):
                     self.grad_layouts[i] = t.stride()
+                    self.grad_dtypes[i] = t.dtype
         self._grad_inputs = list(self.grad_layouts)
         self._grad_strides = list(self.grad_layouts.values())
+        self._grad_dtypes = list(self.grad_dtypes.values())
 
     def _relaid(self, args: Sequence[Any], strides: list[tuple[int, ...]]) -> list[Any]:
-        """``args`` with each gradient whose strides differ from the compiled ones copied
-        into that layout (by value), said once per gradient."""
+        """``args`` with each gradient whose strides or dtype differ from the compiled ones
+        copied into that layout and dtype (by value), said once per gradient."""
         args = list(args)
-        for i, want, got in zip(self._grad_inputs, self._grad_strides, strides):
-            if want == got:
-                continue
+        wanted = zip(self._grad_inputs, self._grad_strides, self._grad_dtypes, strides)
+        for i, want, dtype, got in wanted:
             g = args[i]
-            args[i] = g.new_empty_strided(g.shape, want).copy_(g)
-            report.warn_once(
-                ("grad-layout", id(self), i),
-                f"collage: {self.sources[i]} arrived with strides {got}, and {self._shown} "
-                f"was compiled for {want}; torch.compile does not re-check an optimizer's "
-                "gradients, so it is copied into that layout on every such call (plain "
-                "Inductor would raise).  Keep a gradient's layout from step to step to "
-                "avoid the copy.",
-            )
+            if want == got and g.dtype == dtype:
+                continue
+            args[i] = g.new_empty_strided(g.shape, want, dtype=dtype).copy_(g)
+            kind = "grad-dtype" if g.dtype != dtype else "grad-layout"
+            if g.dtype != dtype:
+                what = (
+                    f"arrived as {g.dtype}, and {self._shown} was compiled for {dtype}; "
+                    "torch.compile does not re-check an optimizer's gradients (its bytes "
+                    f"would be read as {dtype}), so it is rounded to {dtype} on every such "
+                    "call.  Keep a gradient's dtype from step to step (p.grad_dtype), or "
+                    "compile the step after changing it."
+                )
+            else:
+                what = (
+                    f"arrived with strides {got}, and {self._shown} was compiled for {want}; "
+                    "torch.compile does not re-check an optimizer's gradients, so it is "
+                    "copied into that layout on every such call (plain Inductor would "
+                    "raise).  Keep a gradient's layout from step to step to avoid the copy."
+                )
+            report.warn_once((kind, id(self), i), f"collage: {self.sources[i]} {what}")
         return args
 
     def _attr_tensors(self) -> list[torch.Tensor]:
@@ -674,8 +690,9 @@ class _LoInputs:
         if replay.recording is not None:
             replay.recording.append((self, args, list(call_los)))
         if self._grad_inputs:
-            strides = list(map(_STRIDE, map(args.__getitem__, self._grad_inputs)))
-            if strides != self._grad_strides:
+            grads = list(map(args.__getitem__, self._grad_inputs))
+            strides = list(map(_STRIDE, grads))
+            if strides != self._grad_strides or list(map(_DTYPE, grads)) != self._grad_dtypes:
                 args = self._relaid(args, strides)
         if self._scalars:
             args = self._with_scalars(args)
@@ -727,13 +744,12 @@ class _LoInputs:
             return "a tensor was written outside the step"
         return None
 
-    def after_replay(self, versions: bool = True) -> None:
+    def after_replay(self) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`): the
-        watch's record of what it wrote, the versions it leaves (``versions``: a CUDA
-        graph's replay bumps none), the optimizer watch."""
+        watch's record of what it wrote, the versions it leaves (a CUDA replay bumped
+        them as the compiled step does), the optimizer watch."""
         watch.record_call(self._written_ids)
-        if versions:
-            state.record_versions(self._lo_ids, self._attr_tensors())
+        state.record_versions(self._lo_ids, self._attr_tensors())
         if self.ticks:
             _compat.run_step_ticks(self.ticks)
 

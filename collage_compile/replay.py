@@ -10,10 +10,11 @@ next step is captured whole, as one CUDA graph; every step after it is
 
     checks       the step would call the same graphs on the same tensors: the same
                  param_groups, parameters, optimizer state and hyperparameters, the same
-                 gradients present, no hooks, each parameter and state value on the
-                 storage captured (a graph holds addresses), and per graph the registry's
-                 pairs and no write from outside since its last call (each a pass over a
-                 list, in C);
+                 gradients present in the same dtypes, the global state Dynamo guards
+                 (autocast, matmul precision, modes), no hooks, each parameter and state
+                 value on the storage captured (a graph holds addresses), and per graph
+                 the registry's pairs and no write from outside since its last call (each
+                 a pass over a list, in C);
                  once the parameters and gradients passed, the gradients are copied into
                  the captured graph's own buffers (never into a tensor the user holds),
                  one ``_foreach_copy_``, so that the device copies while the host checks
@@ -21,7 +22,8 @@ next step is captured whole, as one CUDA graph; every step after it is
                  reads those buffers)
     refresh      each float the graphs read from a tensor of their own (a scheduled lr,
                  :func:`rewrite.scalars_as_static_inputs`) filled from ``param_groups``
-    replay       one CUDA graph launch (on a CPU: each recorded graph called directly)
+    replay       one CUDA graph launch, then the version counters the captured step
+                 bumped bumped again (on a CPU: each recorded graph called directly)
     bookkeeping  what the graphs' wrappers do besides the graph (versions, the watch)
 
 A failed check runs the step as compiled (Dynamo recompiles if it must, the wrapper handles
@@ -69,6 +71,8 @@ MISSED = 20
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_VERSION = operator.attrgetter("_version")
 
 
 _IS_NONE = functools.partial(operator.is_, None)
@@ -205,6 +209,9 @@ class WholeStep:
     def _capture_with(self, pending: _Plan) -> Any:
         global recording, capturing
         graph = torch.cuda.CUDAGraph()
+        # what the compiled step's wrappers bump on the host, which a replay must too
+        watched = [*pending.params, *pending.state_values]
+        versions = list(map(_VERSION, watched))
         before, calls, failed = _compiles, [], None
         recording, capturing = calls, True
         try:
@@ -222,6 +229,7 @@ class WholeStep:
             return self.compiled()
         try:
             plan = _Plan(self.optimizer, calls, graph)
+            plan.bumped = [t for t, v in zip(watched, versions) if t._version != v]
             if plan.wrappers != pending.wrappers:
                 raise _Refused("the captured step called other graphs than the one before it")
         except (_Refused, LookupError, TypeError, AttributeError) as e:
@@ -316,6 +324,8 @@ class _Settings:
         self.partial = [
             (k, tuple(group[k]), {path[1] for path in filled if path[0] == k}) for k in partly
         ]
+        # a list changed in place is the same object: its elements, as Dynamo guards them
+        self.lists = [(k, list(group[k])) for k in self.keys if type(group[k]) is list]
 
     def changed(self, group: dict[str, Any]) -> bool:
         if len(group) != self.size:
@@ -334,6 +344,10 @@ class _Settings:
                 j in skip or _same_value(x, y) for j, (x, y) in enumerate(zip(value, recorded))
             ):
                 return True
+        for key, recorded in self.lists:
+            value = group[key]
+            if len(value) != len(recorded) or not all(map(_same_value, value, recorded)):
+                return True
         return False
 
 
@@ -348,6 +362,10 @@ class _Plan:
         graph: Any = None,
     ):
         self.optimizer, self.graph = optimizer, graph
+        # autocast, grad mode, matmul precision, torch function modes: Dynamo's guards
+        self.same_global_state = _compat.global_state()
+        # CUDA: the parameters and state the captured step bumped the versions of
+        self.bumped: list[torch.Tensor] = []
         groups = optimizer.param_groups
         self.params = list(itertools.chain.from_iterable(g["params"] for g in groups))
         devices = {p.device for p in self.params}
@@ -362,6 +380,7 @@ class _Plan:
         self.static_grads: list[torch.Tensor] = []
         self.grad_slots: list[tuple[int, int]] = []  # (call, input) of each gradient
         self.grad_layouts: list[tuple[int, ...] | None] = []  # the strides compiled for
+        self.compiled_dtypes: list[torch.dtype | None] = []  # and the dtype
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
         self.wrappers: list[Any] = []
         # each wrapper of the backend says what it is (compiler: _LoInputs "pairs",
@@ -369,6 +388,9 @@ class _Plan:
         roles = [getattr(w, "replay_role", None) for w, _, _ in calls]
         if "pairs" not in roles:
             raise _Refused("its step called no graph that updates a pair")
+        floats = [id(w) for w, _, _ in calls if getattr(w, "_scalars", None)]
+        if len(floats) != len(set(floats)):  # one tensor per float, filled once a replay
+            raise _Refused("a graph of its step that reads scheduled floats is called twice")
         for (wrapper, args, los), role in zip(calls, roles):
             self.wrappers.append(wrapper)
             if role == "pairs":
@@ -385,6 +407,8 @@ class _Plan:
         # where each gradient input sits among the parameters (stale() reads them all)
         position = {id(p): i for i, p in enumerate(self.params)}
         self.grad_index = [position[id(q)] for q in self.grad_params]
+        # as recorded (a dtype other than the compiled one: the wrapper rounded it, said so)
+        self.grad_dtypes = list(map(_DTYPE, self.static_grads))
         self._private_grads()
         self._grad_shards()
         self._state_columns()
@@ -400,8 +424,8 @@ class _Plan:
         if self.device.type == "cuda":  # the capture reads copies of its own already
             return
         own = [
-            g.clone() if want is None else g.new_empty_strided(g.shape, want).copy_(g)
-            for g, want in zip(self.static_grads, self.grad_layouts)
+            g.clone() if want is None else g.new_empty_strided(g.shape, want, dtype=dtype).copy_(g)
+            for g, want, dtype in zip(self.static_grads, self.grad_layouts, self.compiled_dtypes)
         ]
         for (call, slot), g in zip(self.grad_slots, own):
             self.calls[call][1][slot] = g
@@ -460,6 +484,7 @@ class _Plan:
                 self.static_grads.append(arg)
                 self.grad_slots.append((len(self.calls), i))
                 self.grad_layouts.append(wrapper.grad_layouts.get(i))
+                self.compiled_dtypes.append(wrapper.grad_dtypes.get(i))
             elif not (
                 isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg
             ):
@@ -542,6 +567,8 @@ class _Plan:
         opt = self.optimizer
         if _hooks(opt):
             return "step hooks"
+        if not self.same_global_state():
+            return "the global state changed (autocast, grad mode, matmul precision or modes)"
         groups = opt.param_groups
         params = list(itertools.chain.from_iterable(g["params"] for g in groups))
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
@@ -551,6 +578,8 @@ class _Plan:
             return "a parameter's gradient appeared or went"
         if self.grad_specs and self._sharded_differently(grads):
             return "a gradient is sharded differently"
+        if list(map(_DTYPE, map(grads.__getitem__, self.grad_index))) != self.grad_dtypes:
+            return "a gradient's dtype changed"
         if copy_grads:
             self._copy_grads(grads)
         if len(groups) != len(self.settings) or any(map(_Settings.changed, self.settings, groups)):
@@ -625,10 +654,13 @@ class _Plan:
         self.refresh()
         if self.graph is not None:
             self.graph.replay()
+            # as the compiled step's wrappers bump them (autograd's check of a tensor saved
+            # for backward and written since: "modified by an inplace operation")
+            _compat.increment_versions(self.bumped)
         else:
             for fn, inputs in self.calls:
                 fn(*inputs)
         for wrapper in self.wrappers:
-            wrapper.after_replay(versions=self.graph is None)
+            wrapper.after_replay()
         if hasattr(self.optimizer, "_opt_called"):  # an LR scheduler's check of the order
             self.optimizer._opt_called = True

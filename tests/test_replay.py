@@ -212,6 +212,130 @@ def test_a_gradient_laid_out_otherwise_is_read_by_its_values():
     _same_bits(compiled, replayed)
 
 
+def test_a_gradient_that_turns_fp32_is_rounded_and_named_never_read_as_bf16():
+    """``p.grad_dtype`` set mid-run (to None: any dtype): a bf16 parameter's gradient
+    arrives in fp32.  Dynamo does not guard it, and the compiled step read its bytes as bf16 (0.048
+    off the run fed the same gradients in bf16, and no word).  The wrapper now rounds it
+    to the dtype compiled for and says so once per gradient; the replay gives way to that
+    call, then replays the step recorded with fp32 gradients.  Both are the run fed the
+    same gradients in bf16 (exact in either dtype), bit for bit."""
+    start, grads = drifting_stream([(64, 32), (32,)], 16)
+
+    def fp32_grads(ps, opt):
+        for p in ps:
+            g, p.grad = p.grad, None
+            p.grad_dtype = None  # any dtype (torch's opt-in to diverging gradients)
+            p.grad = g.float()
+
+    events = {i: fp32_grads for i in range(8, 16)}
+    bf16, _ = _train(start, grads, torch.bfloat16)
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
+        said = [str(w.message) for w in rec if "arrived as torch.float32" in str(w.message)]
+        assert len(said) == 2 and "rounded to torch.bfloat16" in said[0], said
+        _same_bits(bf16, runs[whole][0])
+    assert runs[True][0][0].grad.dtype == torch.float32
+    whole = runs[True][1].step.whole_step
+    assert whole.given_way == ["a gradient's dtype changed"], whole.given_way
+    assert whole.replays >= 16 - 5, whole.replays
+
+
+def test_a_list_setting_changed_in_place_is_seen():
+    """A hyperparameter held in a list (``group["betas"] = [0.9, 0.999]``) and changed in
+    place is the same object: the replay compares its elements, as Dynamo's guards do, and
+    gives way; the weights are the compiled step's, bit for bit."""
+    start, grads = drifting_stream([(16, 8), (8,)], 16)
+
+    def as_list(ps, opt):
+        opt.param_groups[0]["betas"] = [0.9, 0.999]
+
+    def in_place(ps, opt):
+        opt.param_groups[0]["betas"][0] = 0.5
+
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        runs[whole] = _train(
+            start, grads, torch.bfloat16, {2: as_list, 9: in_place}, cudagraphs=whole
+        )
+    _same_bits(runs[False][0], runs[True][0])
+    given_way = runs[True][1].step.whole_step.given_way
+    assert given_way.count("a hyperparameter changed") == 2, given_way
+
+
+def test_a_replay_follows_the_global_state_dynamo_guards():
+    """Muon's Newton-Schulz matmuls under ``autocast`` from the sixth step on: Dynamo
+    guards the global state and recompiles; the replay compares it too (autocast, grad
+    mode, matmul precision, torch function modes) and gives way, then replays the step
+    recorded under autocast.  The weights are the compiled step's, bit for bit."""
+    start, grads = drifting_stream([(32, 16)], 12)
+    runs = {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        ps = [torch.nn.Parameter(t.clone()) for t in start]  # bf16 already: a copy
+        opt = torch.optim.Muon(ps, lr=2e-2)
+        collage_compile.compile_optimizer(opt, cudagraphs=whole)
+        for i, gs in enumerate(grads):
+            ps[0].grad = gs[0].bfloat16()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=i >= 6):
+                opt.step()
+        runs[whole] = ps, opt
+    _same_bits(runs[False][0], runs[True][0])
+    whole = runs[True][1].step.whole_step
+    assert any("global state" in why for why in whole.given_way), whole.given_way
+    assert whole.replays >= len(grads) - 5, whole.replays
+
+
+def test_a_graph_called_twice_in_one_step_with_scheduled_floats_is_refused():
+    """A replay fills each float a graph reads once (its own tensor); a step that called
+    one such graph twice (once per param group, were its groups split by a graph break)
+    would read the last value twice.  Built from a real recorded step with its call
+    repeated, the plan is refused."""
+    from collage_compile import replay
+
+    start, grads = drifting_stream([(16, 8), (8,)], 3)
+    _, opt = _train(start, grads, torch.bfloat16, cudagraphs=True)
+    plan = opt.step.whole_step.plan
+    calls = [(w, list(inputs), []) for w, inputs in zip(plan.wrappers, [c[1] for c in plan.calls])]
+    with pytest.raises(replay._Refused, match="called twice"):
+        replay._Plan(opt, calls + calls[:1])
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="CUDA graphs need a GPU"
+            ),
+        ),
+    ],
+)
+def test_a_weight_saved_for_backward_and_stepped_since_is_named_by_autograd(device):
+    """``loss = f(W)``, ``opt.step()``, then ``loss.backward()``: the step wrote W in place,
+    and autograd raises ("modified by an inplace operation") because the compiled step's
+    wrapper bumped W's version.  A CUDA graph's replay runs no host code: the replay bumps
+    the versions the captured step bumped, so the error stays, at every step."""
+    w = torch.nn.Parameter(torch.randn(64, 32, device=device).bfloat16())
+    opt = torch.optim.AdamW([w], lr=1e-3, foreach=True)
+    collage_compile.compile_optimizer(opt, cudagraphs=True)
+    for _ in range(6):
+        loss = (w * w).float().sum()  # mul saves w for its backward
+        w.grad = torch.randn_like(w)
+        before = w._version
+        opt.step()
+        assert w._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    assert opt.step.whole_step.replays >= 3, opt.step.whole_step.replays
+
+
 def _muon_runs(dtype=torch.bfloat16, **options):
     """torch.optim.Muon on a wide and a tall matrix under a warmup, in ``dtype``, compiled
     by ``compile_optimizer(**options)`` (``compiled=False``: eager); its start, weights,

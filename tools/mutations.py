@@ -305,6 +305,29 @@ def _apply(name):
         from collage_compile import replay
 
         replay._Plan._where = lambda self: self.places
+    elif name == "replay_ignores_global_state":  # autocast & co. unread by a replay
+        from collage_compile import _compat
+
+        _compat.global_state = lambda: lambda: True
+    elif name == "replay_ignores_list_settings":  # a list changed in place passes
+        from collage_compile import replay
+
+        orig = replay._Settings.__init__
+
+        def init(self, group, filled):
+            orig(self, group, filled)
+            self.lists = []
+
+        replay._Settings.__init__ = init
+    elif name == "grad_dtype_unchecked":  # a gradient's dtype trusted, as Dynamo does
+        compiler._DTYPE = lambda g: None
+        orig = compiler._LoInputs.expect_grad_layouts
+
+        def expect(self, example_inputs):
+            orig(self, example_inputs)
+            self._grad_dtypes = [None] * len(self._grad_dtypes)
+
+        compiler._LoInputs.expect_grad_layouts = expect
     elif name == "replay_ignores_outside_writes":  # only the per-graph check skipped
         compiler._LoInputs.replay_blocker = lambda self, tensors=None: None
     elif name == "keep_float_specializations":  # torch's tensorify mark outlives a graph
