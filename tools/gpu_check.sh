@@ -4,8 +4,11 @@
 # back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/).
 # Run on an H200 on 2026-11-27: llama_cg step_demo, then tests, then replay step_demo_cg.
 # Next, what is still unmeasured:
-#   bash tools/gpu_check.sh suite               # the whole suite, at most 9 minutes
-#   bash tools/gpu_check.sh step_demo           # at once: light's synced ratio, 3 minutes
+#   bash tools/gpu_check.sh suite               # the whole suite, at most 9 minutes (with
+#                                               # the replay's new CUDA tests since 6a68cf8)
+#   bash tools/gpu_check.sh step_demo llama_cg  # at once: light's synced ratio with the
+#                                               # example's AdamW (001749a), and the demo's
+#                                               # opt ms split host/device (3698bab); 8 min
 #   bash tools/gpu_check.sh step step_large     # a later session: --size gpu, 315M again
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
