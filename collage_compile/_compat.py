@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -474,6 +475,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if cls is not None and isinstance(t, cls):
         return t._local_tensor
     return t
+
+
+#: :func:`local_tensor` of a DTensor as one C call (``map`` over a plan's shards per step)
+shard_of = operator.attrgetter("_local_tensor")
 
 
 def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

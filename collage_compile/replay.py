@@ -344,9 +344,11 @@ class _Settings:
                 j in skip or _same_value(x, y) for j, (x, y) in enumerate(zip(value, recorded))
             ):
                 return True
-        for key, recorded in self.lists:
+        for key, recorded in self.lists:  # param_names, say: by identity first, in C
             value = group[key]
-            if len(value) != len(recorded) or not all(map(_same_value, value, recorded)):
+            if len(value) != len(recorded) or not (
+                all(map(operator.is_, value, recorded)) or all(map(_same_value, value, recorded))
+            ):
                 return True
         return False
 
@@ -531,20 +533,19 @@ class _Plan:
         reads already.  A CUDA graph reads and writes them by address: after ``t.data =
         other`` (a state moved off the device and back by hand, ``set_``) the same tensor
         sits on a new storage, and a replay would update the freed one.  A DTensor's
-        address is its shard's (its own ``data_ptr`` is 0)."""
+        address is its shard's (its own ``data_ptr`` is 0; the pair checks read that 0)."""
         checked = {id(t) for _, ts in self.pair_checks if ts is not None for t in ts}
         tensors = list(itertools.chain(self.params, self.state_values))
-        self.sharded = any(map(_compat.is_dtensor, tensors))
-        if not self.sharded:  # the pair checks compare their tensors' addresses
-            tensors = [t for t in tensors if id(t) not in checked]
-        self.placed = tensors
+        sharded = list(map(_compat.is_dtensor, tensors))
+        self.placed = [t for t, d in zip(tensors, sharded) if not d and id(t) not in checked]
+        self.placed_shards = [t for t, d in zip(tensors, sharded) if d]
         self.places = self._where()
 
     def _where(self) -> list[int]:
-        tensors = self.placed
-        if self.sharded:
-            tensors = list(map(_compat.local_tensor, tensors))
-        return list(map(_DATA_PTR, tensors))
+        return [
+            *map(_DATA_PTR, self.placed),
+            *map(_DATA_PTR, map(_compat.shard_of, self.placed_shards)),
+        ]
 
     def _state_columns(self) -> None:
         """The optimizer's state as it is: its dict and every value of each parameter's."""
