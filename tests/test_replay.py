@@ -21,6 +21,19 @@ import collage_compile
 
 Warning = collage_compile.CollageWarning
 STEPS = 30
+# a test run on a CPU, and on CUDA where there is a GPU (its CUDA graph replay)
+ON_CPU_AND_CUDA = pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="CUDA graphs need a GPU"
+            ),
+        ),
+    ],
+)
 
 
 def _train(
@@ -55,6 +68,19 @@ def _train(
         opt.step()
         sched.step()
     return ps, opt
+
+
+def _compiled_and_replayed(start, grads, events=None):
+    """The same bf16 stream compiled and replayed: ``{False: (weights, optimizer), True:
+    ...}``, and the messages of the warnings each run gave."""
+    runs, said = {}, {}
+    for whole in (False, True):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
+        said[whole] = [str(w.message) for w in rec]
+    return runs, said
 
 
 def _same_bits(compiled, replayed):
@@ -141,18 +167,7 @@ def ulps(a, b):
     return int(d.max()), int((d > 0).sum())
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="CUDA graphs need a GPU"
-            ),
-        ),
-    ],
-)
+@ON_CPU_AND_CUDA
 def test_a_replay_never_writes_a_gradient_the_user_holds(device):
     """Each step's gradients here are the stream's own tensors (``p.grad = g``), held by
     the test after the step, as a user holds a gradient kept for logging or a buffer of
@@ -229,14 +244,10 @@ def test_a_gradient_that_turns_fp32_is_rounded_and_named_never_read_as_bf16():
 
     events = {i: fp32_grads for i in range(8, 16)}
     bf16, _ = _train(start, grads, torch.bfloat16)
-    runs = {}
+    runs, said = _compiled_and_replayed(start, grads, events)
     for whole in (False, True):
-        torch._dynamo.reset()
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
-        said = [str(w.message) for w in rec if "arrived as torch.float32" in str(w.message)]
-        assert len(said) == 2 and "rounded to torch.bfloat16" in said[0], said
+        fp32 = [m for m in said[whole] if "arrived as torch.float32" in m]
+        assert len(fp32) == 2 and "rounded to torch.bfloat16" in fp32[0], fp32
         _same_bits(bf16, runs[whole][0])
     assert runs[True][0][0].grad.dtype == torch.float32
     whole = runs[True][1].step.whole_step
@@ -305,18 +316,7 @@ def test_a_graph_called_twice_in_one_step_with_scheduled_floats_is_refused():
         replay._Plan(opt, calls + calls[:1])
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="CUDA graphs need a GPU"
-            ),
-        ),
-    ],
-)
+@ON_CPU_AND_CUDA
 def test_a_weight_saved_for_backward_and_stepped_since_is_named_by_autograd(device):
     """``loss = f(W)``, ``opt.step()``, then ``loss.backward()``: the step wrote W in place,
     and autograd raises ("modified by an inplace operation") because the compiled step's
@@ -529,13 +529,8 @@ def test_a_replay_that_keeps_giving_way_is_named_once():
     steps = replay.MISSED + 6
     start, grads = drifting_stream([(16, 8), (8,)], steps)
     events = {i: _no_grad for i in range(1, steps, 2)}
-    runs = {}
-    for whole in (False, True):
-        torch._dynamo.reset()
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            runs[whole] = _train(start, grads, torch.bfloat16, events, cudagraphs=whole)
-    named = [str(w.message) for w in rec if f"last {replay.MISSED} steps ran compiled" in str(w)]
+    runs, said = _compiled_and_replayed(start, grads, events)
+    named = [m for m in said[True] if f"last {replay.MISSED} steps ran compiled" in m]
     assert len(named) == 1 and "gradient appeared or went" in named[0], named
     (compiled, _), (replayed, opt) = runs[False], runs[True]
     assert opt.step.whole_step.replays == 0
