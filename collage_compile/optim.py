@@ -11,6 +11,7 @@ backend=collage_compile.backend)`` remains the explicit spelling of the same thi
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -23,7 +24,9 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     """Compile ``optimizer.step`` with the collage backend (``options``: those of
     :func:`collage_compile.make_backend`) and install it as the optimizer's ``step``.
 
-    Returns the optimizer.  Calling it again does nothing.  ``step(closure)`` calls the
+    Returns the optimizer.  Calling it again with the same options does nothing; with
+    other options it raises ``ValueError`` (a compiled step keeps the options it was
+    compiled with: build a new optimizer for others).  ``step(closure)`` calls the
     closure eagerly (with grad enabled, as torch.optim does), then the compiled step, and
     returns the closure's loss; LBFGS, whose step calls its closure repeatedly, is refused.
     A ``fused=True`` optimizer is
@@ -42,6 +45,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             f"collage: compile_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     if getattr(optimizer.step, "_collage_compiled", False):
+        _same_options(optimizer, options)
         return optimizer
     fused = [i for i, g in enumerate(optimizer.param_groups) if g.get("fused")]
     if fused:
@@ -85,6 +89,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     if options.get("mode") != "off":
         watch.expect_compiled(optimizer)
     step._collage_compiled = True  # type: ignore[attr-defined]
+    step._collage_options = _config(options)  # type: ignore[attr-defined]
     # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``
     step.whole_step = compiled if whole else None  # type: ignore[attr-defined]
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
@@ -94,6 +99,35 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def _config(options: dict[str, Any]) -> Any:
+    """The options as the backend reads them (defaults filled in, unknown ones refused)."""
+    from collage_compile.config import CollageConfig
+
+    if options.get("cudagraphs") is True:  # the whole step as one replay
+        options = {**options, "cudagraphs": "step"}
+    return CollageConfig.from_options(options)
+
+
+def _same_options(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
+    """A second ``compile_optimizer`` of the same optimizer: a no-op if it asks for what
+    the step was compiled with, else an error (it would be ignored: a user who switched
+    from ``mode="off"`` to ``"plus"`` would train uncompensated, unwarned)."""
+    compiled = optimizer.step._collage_options
+    wanted = _config(options)
+    if wanted == compiled:
+        return
+    differ = ", ".join(
+        f"{f.name}={getattr(compiled, f.name)!r} (asked: {getattr(wanted, f.name)!r})"
+        for f in dataclasses.fields(compiled)
+        if getattr(compiled, f.name) != getattr(wanted, f.name)
+    )
+    raise ValueError(
+        f"collage: {type(optimizer).__name__}.step is compiled already, with other options: "
+        f"{differ}. A compiled step keeps its options; build a new optimizer (and "
+        "compile_optimizer it once) to change them"
+    )
 
 
 def _scheduled_dynamic(optimizer: torch.optim.Optimizer) -> None:

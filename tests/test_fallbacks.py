@@ -169,6 +169,27 @@ def test_an_optimizer_whose_step_never_compiles_is_named():
     assert [state.get_lo(p) is not None for p in params] == [True, True, False]
 
 
+def test_compiling_an_optimizer_again_with_other_options_is_an_error():
+    """``compile_optimizer`` a second time with other options used to return at once: a
+    user who went from ``mode="off"`` to ``"plus"`` (or light to plus) trained on
+    uncompensated, or less compensated, and unwarned.  Now the same options (spelled out
+    or left to their defaults) are a no-op, and other ones a ``ValueError`` naming each
+    option compiled and asked for, before any step."""
+    p = torch.nn.Parameter(torch.randn(8).bfloat16())
+    opt = collage_compile.compile_optimizer(torch.optim.AdamW([p], lr=1e-3), mode="off")
+    compiled = opt.step
+    with pytest.raises(ValueError, match=r"mode='off' \(asked: 'plus'\)"):
+        collage_compile.compile_optimizer(opt, mode="plus")
+    assert collage_compile.compile_optimizer(opt, mode="off") is opt
+    assert opt.step is compiled
+    light = collage_compile.compile_optimizer(torch.optim.AdamW([p], lr=1e-3))
+    collage_compile.compile_optimizer(light, mode="light")  # the default, spelled out
+    with pytest.raises(ValueError, match=r"metrics=False \(asked: True\)"):
+        collage_compile.compile_optimizer(light, metrics=True)
+    with pytest.raises(TypeError, match="unknown option"):
+        collage_compile.compile_optimizer(light, mdoe="plus")
+
+
 def test_plain_inductor_reaching_the_limit_after_collage_is_not_named():
     """The same code compiled by collage for a model now gone, then by plain Inductor,
     which reaches the limit: nothing of collage's loses compensation, so no warning."""
