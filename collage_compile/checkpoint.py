@@ -14,7 +14,9 @@ even if it saw it) and ``load_state_dict`` restores them.  Each lo travels with 
 the hi it belongs to: a lo restored before its weights are loaded (``opt.load_state_dict``
 then ``model.load_state_dict``) is checked against the weights on the next compiled step,
 and dropped (zeroed, with a CollageWarning naming it) if they are not the ones it was saved
-with.
+with.  Loading an optimizer's state changes no weight: under a live pair that no write has
+touched since its last compiled step, the saved lo is only offered
+(:func:`collage_compile.state.offer`), taken if the weights are loaded before that step.
 
 Keys: each low-precision parameter's optimizer state entry gains ``"collage_lo"``,
 ``"collage_lo.<name>"`` for each low-precision state tensor ``<name>`` and ``"collage_hi"``
@@ -116,8 +118,22 @@ def _restore(
     if t.dtype not in LOW_PRECISION:
         return  # the run that saved it used low precision; this one does not: nothing to add
     lo = lo.view(remainder.DTYPE) if exact else lo
-    if state.components(t)[1] is None and _all_zero(lo):
+    live = state.components(t)[1]
+    if live is None and _all_zero(lo):
         return  # a zero lo is no lo: allocate none (light mode's optimizer state)
+    if (
+        checksum is not None
+        and live is not None
+        and not _compat.is_dtensor(t)
+        and state.is_remainder(live) == exact
+        and state.intact(t, live)
+    ):
+        # an optimizer's state loaded under a live pair (a rollback or reset of the
+        # optimizer alone) changes no weight; its lo applies if the weights follow.  Not
+        # for a DTensor: DCP loads its shards without moving its version counter, so only
+        # the checksum tells whether the weights were loaded (the saved lo is taken)
+        state.offer(t, live, lo, checksum)
+        return
     state.set_lo(t, lo.to(device=t.device) if exact else lo.to(device=t.device, dtype=t.dtype))
     if checksum is None:
         return

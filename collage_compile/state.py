@@ -574,6 +574,37 @@ def track(t: torch.Tensor, lo: torch.Tensor) -> None:
 def record_versions(lo_ids: list[int], tensors: list[torch.Tensor]) -> None:
     """After a compiled call: the versions of the hi of each lo (by id), in one update."""
     _versions.update(zip(lo_ids, map(_VERSION, tensors)))
+    if _offers:  # the call kept these pairs: an optimizer checkpoint's lo no longer applies
+        for key in lo_ids:
+            _offers.pop(key, None)
+
+
+# id(lo) -> (lo, a checkpoint's lo for the same tensor, checksum of the hi it was saved
+# with): loaded with an optimizer's state while the live pair was intact (see :func:`offer`)
+_offers: dict[int, tuple[weakref.ref, torch.Tensor, tuple[int, int]]] = {}
+
+
+def intact(t: torch.Tensor, lo: torch.Tensor) -> bool:
+    """Whether ``lo`` is ``t``'s correction as the last compiled step (or a restore) left
+    it: recorded, no checkpoint check pending, ``t`` not written since."""
+    entry = _stamps.get(id(lo))
+    if entry is None or entry.lo() is not lo or entry.pending is not None:
+        return False
+    owner = entry.owner() if entry.owner is not None else None
+    version = _versions.get(id(lo))
+    return version is not None and (owner if owner is not None else t)._version == version
+
+
+def offer(t: torch.Tensor, lo: torch.Tensor, saved: torch.Tensor, pending: tuple[int, int]) -> None:
+    """A lo loaded with an optimizer's state (``saved``, with the checksum of the hi it was
+    saved with) for ``t``, whose live pair (``lo``) is intact: loading an optimizer's state
+    changes no parameter, so ``lo`` stays.  If the weights are loaded before the next
+    compiled step (``opt.load_state_dict`` then ``model.load_state_dict``: a rollback of
+    both), that step's :func:`check` takes ``saved`` where they are the ones it was saved
+    with; the step drops the offer otherwise."""
+    with torch.no_grad():
+        copy = torch.empty_like(lo).copy_(saved)
+    _offers[id(lo)] = (_lo_ref(lo), copy, pending)
 
 
 def unchanged(lo_ids: list[int], tensors: list[torch.Tensor]) -> bool:
@@ -649,6 +680,14 @@ def check(t: torch.Tensor, lo: torch.Tensor, name: str = "") -> str | None:
             stamp(t, lo)
             return None
         why = f"version {version} -> {current}"
+        offered = _offers.pop(key, None)
+        if offered is not None and offered[0]() is lo:
+            if checksum(t) == offered[2]:  # the weights of the optimizer's checkpoint
+                with torch.no_grad():
+                    lo.copy_(offered[1])
+                stamp(t, lo)
+                return None
+            why = "its weights differ from those it was saved with"
     with torch.no_grad():
         lo.zero_()
     stamp(t, lo)
