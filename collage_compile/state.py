@@ -602,9 +602,15 @@ def offer(t: torch.Tensor, lo: torch.Tensor, saved: torch.Tensor, pending: tuple
     compiled step (``opt.load_state_dict`` then ``model.load_state_dict``: a rollback of
     both), that step's :func:`check` takes ``saved`` where they are the ones it was saved
     with; the step drops the offer otherwise."""
+    key = id(lo)
+
+    def gone(ref: weakref.ref) -> None:  # the pair died with its offer untaken
+        if key in _offers and _offers[key][0] is ref:
+            del _offers[key]
+
     with torch.no_grad():
         copy = torch.empty_like(lo).copy_(saved)
-    _offers[id(lo)] = (_lo_ref(lo), copy, pending)
+    _offers[key] = (weakref.ref(lo, gone), copy, pending)
 
 
 def unchanged(lo_ids: list[int], tensors: list[torch.Tensor]) -> bool:
