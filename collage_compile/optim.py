@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from collage_compile.config import CollageConfig
+
 __all__ = ["GradScaler", "compile_optimizer"]
 
 
@@ -63,8 +65,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     _warn_if_nothing_to_upgrade(optimizer, options)
     watch.install()
     whole = options.get("cudagraphs") is True  # the whole step as one replay
-    if whole:
-        options = {**options, "cudagraphs": "step"}
+    options = _as_compiled(options)
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
     if whole:
@@ -89,7 +90,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     if options.get("mode") != "off":
         watch.expect_compiled(optimizer)
     step._collage_compiled = True  # type: ignore[attr-defined]
-    step._collage_options = _config(options)  # type: ignore[attr-defined]
+    step._collage_options = CollageConfig.from_options(options)  # type: ignore[attr-defined]
     # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``
     step.whole_step = compiled if whole else None  # type: ignore[attr-defined]
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
@@ -101,13 +102,12 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     return optimizer
 
 
-def _config(options: dict[str, Any]) -> Any:
-    """The options as the backend reads them (defaults filled in, unknown ones refused)."""
-    from collage_compile.config import CollageConfig
-
-    if options.get("cudagraphs") is True:  # the whole step as one replay
-        options = {**options, "cudagraphs": "step"}
-    return CollageConfig.from_options(options)
+def _as_compiled(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as the backend takes them: ``cudagraphs=True`` (the whole step as one
+    replay, :mod:`collage_compile.replay`) is the backend's ``"step"``."""
+    if options.get("cudagraphs") is True:
+        return {**options, "cudagraphs": "step"}
+    return options
 
 
 def _same_options(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
@@ -115,7 +115,7 @@ def _same_options(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> 
     the step was compiled with, else an error (it would be ignored: a user who switched
     from ``mode="off"`` to ``"plus"`` would train uncompensated, unwarned)."""
     compiled = optimizer.step._collage_options
-    wanted = _config(options)
+    wanted = CollageConfig.from_options(_as_compiled(options))
     if wanted == compiled:
         return
     differ = ", ".join(

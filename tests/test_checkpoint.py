@@ -98,10 +98,7 @@ def test_state_dicts_carry_lo_in_the_params_dtype_through_torch_save():
     assert entry["collage_lo.exp_avg_sq"].dtype == torch.bfloat16
     assert entry["collage_hi"].dtype == torch.int64
     assert all(not k.startswith("collage") for s in opt.state.values() for k in s)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": sd}, buf)
-    buf.seek(0)
-    saved = torch.load(buf)
+    saved = _saved({"model": model.state_dict(), "opt": sd})
 
     model2, opt2 = _adamw(seed=1)
     collage_compile.attach(opt2)
@@ -175,6 +172,11 @@ def _pairs(model):
     return [(_bits(p), _bits(state.get_lo(p))) for p in model.parameters()]
 
 
+def _same_pairs(a, b) -> bool:
+    """Whether two lists from :func:`_pairs` hold the same bits."""
+    return all(torch.equal(x, z) and torch.equal(y, w) for (x, y), (z, w) in zip(a, b))
+
+
 @pytest.mark.parametrize("mode", ["plus", "exact"])
 def test_an_optimizer_rolled_back_alone_changes_no_weight(mode):
     """``Optimizer.load_state_dict`` changes no parameter, and with ``attach`` neither does
@@ -208,9 +210,7 @@ def test_an_optimizer_rolled_back_alone_changes_no_weight(mode):
     before = _pairs(model)
     for (_, o), sd in zip(runs, saved):
         o.load_state_dict(sd)
-    assert all(
-        torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(before, _pairs(model))
-    ), "loading the optimizer's state changed a weight"
+    assert _same_pairs(before, _pairs(model)), "loading the optimizer's state changed a weight"
     steps(range(8, 12))
     cat = lambda ts: torch.cat([t.detach().double().flatten() for t in ts])
     ref_now = cat(ref)
@@ -246,10 +246,9 @@ def test_weights_and_optimizer_rolled_back_together_restore_the_saved_pairs(firs
         for m, o in ((model, opt), (twin, twin_opt)):
             _grads(m, 9)
             o.step()
-    assert all(
-        torch.equal(a, c) and torch.equal(b, d)
-        for (a, b), (c, d) in zip(_pairs(model), _pairs(twin))
-    ), "the rolled-back run's step is not the saved run's"
+    assert _same_pairs(_pairs(model), _pairs(twin)), (
+        "the rolled-back run's step is not the saved run's"
+    )
 
 
 def _lo_ulp(lo: torch.Tensor) -> torch.Tensor:
