@@ -129,7 +129,7 @@ def test_a_restored_lo_is_dropped_when_other_weights_are_loaded_after_it(caplog)
     opt.load_state_dict(saved)
     model.load_state_dict(other.state_dict())
     params = list(model.parameters())
-    stale = torch.cat([state.get_lo(p).double().flatten() for p in params])
+    stale = _flat(state.get_lo(p) for p in params)
     # the reference: the loaded weights and optimizer state in float64, no lo
     ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
@@ -177,6 +177,11 @@ def _same_pairs(a, b) -> bool:
     return all(torch.equal(x, z) and torch.equal(y, w) for (x, y), (z, w) in zip(a, b))
 
 
+def _flat(tensors) -> torch.Tensor:
+    """The tensors' values as one float64 vector."""
+    return torch.cat([t.detach().double().flatten() for t in tensors])
+
+
 @pytest.mark.parametrize("mode", ["plus", "exact"])
 def test_an_optimizer_rolled_back_alone_changes_no_weight(mode):
     """``Optimizer.load_state_dict`` changes no parameter, and with ``attach`` neither does
@@ -212,10 +217,11 @@ def test_an_optimizer_rolled_back_alone_changes_no_weight(mode):
         o.load_state_dict(sd)
     assert _same_pairs(before, _pairs(model)), "loading the optimizer's state changed a weight"
     steps(range(8, 12))
-    cat = lambda ts: torch.cat([t.detach().double().flatten() for t in ts])
-    ref_now = cat(ref)
-    err = relative_error(cat(map(collage_compile.value, model.parameters())), ref_now, cat(start))
-    plain = relative_error(cat(plain_model.parameters()), ref_now, cat(start))
+    ref_now = _flat(ref)
+    err = relative_error(
+        _flat(map(collage_compile.value, model.parameters())), ref_now, _flat(start)
+    )
+    plain = relative_error(_flat(plain_model.parameters()), ref_now, _flat(start))
     print(f"optimizer rolled back alone: {mode} {err:.2e}, plain bf16 {plain:.2e} of float64")
     assert err < 0.01 and plain > 0.5, (err, plain)
 
@@ -224,7 +230,8 @@ def test_an_optimizer_rolled_back_alone_changes_no_weight(mode):
 def test_weights_and_optimizer_rolled_back_together_restore_the_saved_pairs(first):
     """Weights and optimizer rolled back together in one process, in either order: the next
     step is bit for bit the step the saved run took (the lo follows the weights it was
-    saved with, whichever is loaded first)."""
+    saved with, whichever is loaded first), and that run tracks its stream in float64,
+    which plain bf16 misses."""
     model, opt = _adamw()
     collage_compile.compile_optimizer(opt, mode="plus")
     collage_compile.attach(opt)
@@ -249,6 +256,23 @@ def test_weights_and_optimizer_rolled_back_together_restore_the_saved_pairs(firs
     assert _same_pairs(_pairs(model), _pairs(twin)), (
         "the rolled-back run's step is not the saved run's"
     )
+    # the saved run's stream (steps 0-3, then 9) in float64 and in plain bf16
+    start = [p.detach().double().clone() for p in _adamw()[0].parameters()]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
+    plain, plain_opt = _adamw()
+    for k in (0, 1, 2, 3, 9):
+        _grads(plain, k)
+        for r, q in zip(ref, plain.parameters()):
+            r.grad = q.grad.double()
+        ref_opt.step()
+        plain_opt.step()
+    err = relative_error(
+        _flat(map(collage_compile.value, model.parameters())), _flat(ref), _flat(start)
+    )
+    err_plain = relative_error(_flat(plain.parameters()), _flat(ref), _flat(start))
+    print(f"rolled back together ({first} first): {err:.2e}, plain bf16 {err_plain:.2e}")
+    assert err < 0.01 and err_plain > 0.5, (err, err_plain)
 
 
 def _lo_ulp(lo: torch.Tensor) -> torch.Tensor:
@@ -290,14 +314,11 @@ def test_fp32_weights_convert_to_bf16_pairs_within_one_lo_ulp():
             pp.sub_(p.grad, alpha=1e-3)
         step()
 
-    def cat(ts):
-        return torch.cat([t.double().flatten() for t in ts])
-
-    start = cat(w32)
+    start = _flat(w32)
     err = relative_error(
-        cat([collage_compile.value(p) for p in model.parameters()]), cat(ref), start
+        _flat([collage_compile.value(p) for p in model.parameters()]), _flat(ref), start
     )
-    plain_err = relative_error(cat(plain_p), cat(ref), start)
+    plain_err = relative_error(_flat(plain_p), _flat(ref), start)
     print(f"SGD from converted fp32 weights: collage {err:.2e}  plain bf16 {plain_err:.2e}")
     assert err < 0.02 and plain_err > 0.5
 
