@@ -20,10 +20,16 @@ touched since its last compiled step, the saved lo is only offered
 
 Keys: each low-precision parameter's optimizer state entry gains ``"collage_lo"``,
 ``"collage_lo.<name>"`` for each low-precision state tensor ``<name>`` and ``"collage_hi"``
-(int64 checksum of the param); module state dicts gain ``"<param>._collage_lo"`` /
-``"<param>._collage_hi"``.  A tensor without a lo is saved with a zero one, so the keys depend
-only on dtypes and a fresh object's state dict is a complete template for
-``torch.distributed.checkpoint`` loads.
+(a checksum of the param: two int64 as their bits in the param's dtype, 8 elements, so
+that torch's cast leaves it as it is too; int64 ones, saved before, are read as well);
+module state dicts gain ``"<param>._collage_lo"`` / ``"<param>._collage_hi"``.  A tensor
+without a lo is saved with a zero one, so the keys depend only on dtypes and a fresh
+object's state dict is a complete template for ``torch.distributed.checkpoint`` loads.
+
+State loaded into an optimizer before it was attached (the Hugging Face Trainer loads its
+checkpoint before any callback runs) is taken out of the live state and restored when
+:func:`attach` is called (:func:`adopt`), or at the load for an optimizer that
+:func:`collage_compile.compile_optimizer` compiled (:func:`guard`).
 
 ``mode="exact"``'s int16 remainders are saved as their bits in the tensor's own dtype
 (``rem.view(torch.bfloat16)``: the same keys, dtypes and shapes as a pair's lo, so any
@@ -35,6 +41,7 @@ state's lo entries are saved in the parameter's kind.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -43,7 +50,7 @@ import torch
 from collage_compile import _compat, remainder, state
 from collage_compile.mcf import LOW_PRECISION
 
-__all__ = ["attach", "convert", "set_value"]
+__all__ = ["adopt", "attach", "convert", "set_value"]
 
 LO = "collage_lo"
 HI = "collage_hi"
@@ -97,15 +104,31 @@ def _lo_or_zeros(t: torch.Tensor, exact: bool = False) -> torch.Tensor:
 
 
 def _checksum_tensor(t: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """``t``'s checksum as saved: two int64 as their bits in ``t``'s (16-bit) dtype, which
+    ``Optimizer.load_state_dict``'s cast to the param's dtype leaves bit for bit."""
     plain, weighted = state.checksum(t)
-    return torch.tensor([plain ^ _EXACT_FLAG if exact else plain, weighted], dtype=torch.int64)
+    sums = torch.tensor([plain ^ _EXACT_FLAG if exact else plain, weighted], dtype=torch.int64)
+    return sums.view(t.dtype)
+
+
+def _readable(saved: Any) -> bool:
+    """Whether a saved ``HI`` still holds its two int64: as saved (int64 before this
+    format), or their bits in a 16-bit dtype; not an int64 one torch cast to bf16."""
+    if not isinstance(saved, torch.Tensor):
+        return False
+    if saved.dtype == torch.int64:
+        return saved.numel() == 2
+    return saved.dtype in LOW_PRECISION and saved.numel() == 8
 
 
 def _read_checksum(saved: torch.Tensor | None) -> tuple[tuple[int, int] | None, bool]:
     """(the checksum, whether the entry's lo are exact remainders) of a saved ``HI``."""
     if saved is None:
         return None, False
-    plain, weighted = (int(x) for x in saved.tolist())
+    if not _readable(saved):
+        raise ValueError(f"collage: not a checksum: {saved.dtype} {tuple(saved.shape)}")
+    sums = saved if saved.dtype == torch.int64 else saved.detach().cpu().contiguous().view(-1)
+    plain, weighted = (int(x) for x in sums.view(torch.int64).tolist())
     exact = (plain >> 62) & 1 != (plain >> 63) & 1
     return (plain ^ _EXACT_FLAG if exact else plain, weighted), exact
 
@@ -173,7 +196,7 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
             low = {
                 name: v
                 for name, v in opt.state.get(p, {}).items()
-                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
+                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and not _ours(name)
             }
             # one kind per entry: exact if any of its tensors holds a remainder
             exact = any(_is_exact(t) for t in (p, *low.values()))
@@ -193,7 +216,7 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
         keys.update(zip(saved, live))
         packed = {}
         for i, entry in sd["state"].items():
-            ours = {k: v for k, v in entry.items() if k == HI or k == LO or k.startswith(LO + ".")}
+            ours = {k: v for k, v in entry.items() if _ours(k)}
             if ours:
                 pending[i] = ours
                 entry = {k: v for k, v in entry.items() if k not in ours}
@@ -203,24 +226,104 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
 
     def after_load(opt: torch.optim.Optimizer) -> None:
         for i, ours in pending.items():
-            p = keys[i]
-            checksum, exact = _read_checksum(ours.get(HI))
-            if LO in ours:
-                _restore(p, ours[LO], checksum, exact)
-            for key, lo in ours.items():
-                if key.startswith(LO + "."):
-                    v = opt.state.get(p, {}).get(key[len(LO) + 1 :])
-                    if isinstance(v, torch.Tensor):
-                        # state tensors were just loaded with their hi: nothing to wait for
-                        _restore(v, lo, None, exact)
+            _restore_entry(opt, keys[i], ours)
         pending.clear()
         keys.clear()
 
-    return [
+    hooks = [
         optimizer.register_state_dict_post_hook(save),
         optimizer.register_load_state_dict_pre_hook(before_load),
         optimizer.register_load_state_dict_post_hook(after_load),
     ]
+    adopt(optimizer)  # what a load before this call left in the live state
+    return hooks
+
+
+def _ours(key: Any) -> bool:
+    return key == HI or key == LO or (isinstance(key, str) and key.startswith(LO + "."))
+
+
+def _restore_entry(opt: torch.optim.Optimizer, p: torch.Tensor, ours: dict[str, Any]) -> None:
+    """Restore one parameter entry's saved lo: the parameter's, checked against its
+    weights on the next compiled step, and its state tensors' (loaded with them)."""
+    checksum, exact = _read_checksum(ours.get(HI))
+    if LO in ours:
+        _restore(p, ours[LO], checksum, exact)
+    for key, lo in ours.items():
+        if key.startswith(LO + "."):
+            v = opt.state.get(p, {}).get(key[len(LO) + 1 :])
+            if isinstance(v, torch.Tensor):
+                # state tensors were just loaded with their hi: nothing to wait for
+                _restore(v, lo, None, exact)
+
+
+def adopt(optimizer: torch.optim.Optimizer) -> None:
+    """Take the lo entries that a load without the attach hooks left in ``optimizer``'s
+    live state (a checkpoint loaded before :func:`attach`, or into an optimizer that
+    :func:`collage_compile.compile_optimizer` compiled and nobody attached) out of it,
+    and restore them as an attached load would have.
+
+    An entry whose checksum torch cast to the param's dtype (int64, as saved before the
+    checksum was kept in that dtype) cannot be checked: its lo are dropped, with a
+    CollageWarning naming the parameters."""
+    from collage_compile import names
+    from collage_compile.diagnostics import warn_once
+
+    found: dict[torch.Tensor, dict[str, Any]] = {}
+    for p, entry in optimizer.state.items():
+        keys = [k for k in entry if _ours(k)]
+        if keys:
+            found[p] = {k: entry.pop(k) for k in keys}
+    lost = []
+    for p, ours in found.items():
+        if not isinstance(p, torch.Tensor) or p.dtype not in LOW_PRECISION:
+            continue  # saved by a low-precision run, loaded into a wider one: nothing to add
+        if HI in ours and not _readable(ours[HI]):
+            lost.append(p)
+            continue
+        _restore_entry(optimizer, p, ours)
+    if lost:
+        shown = names.of_params(optimizer, lost)
+        warn_once(
+            ("unreadable-checksum", shown),
+            f"collage: {type(optimizer).__name__} was loaded, before collage_compile.attach, "
+            f"from a checkpoint in the older format (int64 weight checksums, which torch's "
+            f"load cast to the weights' dtype): the lo of {shown} cannot be checked against "
+            "their weights and restart from zero (up to half a bf16 ulp per weight, once). "
+            "Call collage_compile.attach(optimizer) before loading such a checkpoint.",
+            stacklevel=3,
+        )
+
+
+def guard(optimizer: torch.optim.Optimizer) -> None:
+    """For an optimizer :func:`collage_compile.compile_optimizer` compiled: a checkpoint
+    loaded into it without :func:`attach` still restores its lo (:func:`adopt`), and its
+    ``state_dict()`` without :func:`attach` (which would carry no lo) is named once."""
+    count = [0]
+
+    def unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        if opt in _attached or count[0]:
+            return
+        low = [p for p in _params_by_index(opt).values() if p.dtype in LOW_PRECISION]
+        if not low:
+            return
+        count[0] += 1
+        from collage_compile import names
+        from collage_compile.diagnostics import CollageWarning
+
+        warnings.warn(
+            f"collage: {type(opt).__name__}.state_dict() carries no lo of its "
+            f"{len(low)} low-precision parameters ({names.of_params(opt, low)}): the "
+            "optimizer was compiled but not attached. A run resumed from this state (or a "
+            "distributed checkpoint loaded into it as a template) restarts every lo from "
+            "zero (up to half a bf16 ulp per weight, once). Call "
+            "collage_compile.attach(optimizer) once, before saving or loading.",
+            CollageWarning,
+            stacklevel=3,
+        )
+
+    optimizer.register_state_dict_post_hook(unattached)
+    optimizer.register_load_state_dict_post_hook(adopt)
 
 
 # -------------------------------------------------------------------------------- module

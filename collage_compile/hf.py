@@ -12,7 +12,11 @@ with the collage backend (:func:`collage_compile.compile_optimizer`), so every
 schedule, runs the compensated step.  ``TrainingArguments``' default optimizer on recent
 torch is ``adamw_torch_fused``, one opaque kernel no backend can rewrite: before the first
 step (no state yet, nothing to convert) the callback switches its groups to ``fused=False``,
-the same AdamW arithmetic in traceable form, and logs that it did.
+the same AdamW arithmetic in traceable form, and logs that it did.  It also attaches the
+optimizer (:func:`collage_compile.attach`): the Trainer's checkpoints carry every ``lo``,
+and ``trainer.train(resume_from_checkpoint=...)`` restores them (the Trainer loads its
+optimizer before any callback runs; attaching then takes the loaded ``lo`` out of the
+optimizer's state and restores them, checked against the weights the Trainer loaded).
 
 With ``CollageCallback(metrics=True)`` the steps the Trainer logs are measured inside the
 compiled step (``every="metered"`` unless given: the others run unmeasured) and their EDQ
@@ -36,6 +40,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
+from collage_compile.checkpoint import attach
 from collage_compile.metrics import last_metrics, measuring
 from collage_compile.optim import compile_optimizer
 
@@ -63,6 +68,7 @@ class CollageCallback(TrainerCallback):
         inner = _unwrap(optimizer)
         _unfuse(inner)
         compile_optimizer(inner, **self.options)
+        attach(inner)  # after the Trainer's resume load: attach restores what it loaded
         if self.metrics:
             _go_first(self)
 

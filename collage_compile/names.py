@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from collage_compile._compat import is_fake
 
-__all__ = ["display", "group_of", "name_tensors", "pretty", "source_name"]
+__all__ = ["display", "group_of", "name_tensors", "of_params", "pretty", "source_name"]
 
 _learned: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> name from a graph source
 _given: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> name from name_tensors
@@ -89,6 +89,22 @@ def display(tensor: torch.Tensor | None, source: str) -> str:
             if tensor in names:
                 return names[tensor]
     return pretty(source)
+
+
+def of_params(optimizer: Any, params: list[Any], limit: int = 4) -> str:
+    """``optimizer``'s ``params`` as a user reads them: their names where known, else
+    ``param_groups[g].params[i]``; the first ``limit``, then how many more."""
+    where = {
+        id(p): (g, i)
+        for g, grp in enumerate(optimizer.param_groups)
+        for i, p in enumerate(grp["params"])
+    }
+    shown = []
+    for p in params[:limit]:
+        g, i = where.get(id(p), (0, 0))
+        shown.append(display(p, f"param_groups[{g}].params[{i}]"))
+    more = f", and {len(params) - limit} more" if len(params) > limit else ""
+    return ", ".join(shown) + more
 
 
 def learn(gm: fx.GraphModule, example_inputs: list[Any]) -> None:

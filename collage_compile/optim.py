@@ -36,11 +36,15 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     ``fused=False``; :class:`collage_compile.hf.CollageCallback` switches a trainer's
     default fused AdamW before its first step).
 
+    Its ``state_dict()`` carries the lo of its parameters once :func:`collage_compile.attach`
+    is called (without, a CollageWarning says so the first time); a checkpoint of an attached
+    optimizer loaded into it restores them, attached or not.
+
     ``cudagraphs=True``: once a call compiles nothing, the whole step is captured as one
     CUDA graph and replayed, each call checked against what the compiled step would run
     (:mod:`collage_compile.replay`; on a CPU the recorded graphs are called directly).
     """
-    from collage_compile import compiler, replay, watch
+    from collage_compile import checkpoint, compiler, replay, watch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -89,6 +93,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
 
     if options.get("mode") != "off":
         watch.expect_compiled(optimizer)
+        checkpoint.guard(optimizer)
     step._collage_compiled = True  # type: ignore[attr-defined]
     step._collage_options = CollageConfig.from_options(options)  # type: ignore[attr-defined]
     # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``

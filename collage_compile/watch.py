@@ -203,7 +203,7 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
                 state.stamp(t, lo)  # the step was a valid update of hi: not an outside write
     if all(id(p) in _limit_named for p in params):
         return  # the recompile-limit warning named them already
-    shown = _param_names(optimizer, params)
+    shown = names.of_params(optimizer, params)
     warn_once(
         ("eager-step", str(id(optimizer))),
         f"collage: {type(optimizer).__name__}.step ran without a graph compiled by the collage "
@@ -251,7 +251,7 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         ("uncompiled-step", str(id(optimizer))),
         f"collage: {type(optimizer).__name__}.step was compiled by compile_optimizer, but "
         f"this step ran without a graph compiled by the collage backend: {len(low)} of its "
-        f"{dtype} parameters with a gradient ({_param_names(optimizer, low)}) "
+        f"{dtype} parameters with a gradient ({names.of_params(optimizer, low)}) "
         f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
         stacklevel=4,
     )
@@ -289,20 +289,6 @@ def _state_tensors(optimizer: Any, p: Any) -> list[torch.Tensor]:
         for v in optimizer.state.get(p, {}).values()
         if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
     ]
-
-
-def _param_names(optimizer: Any, params: list[Any], limit: int = 4) -> str:
-    where = {
-        id(p): (g, i)
-        for g, grp in enumerate(optimizer.param_groups)
-        for i, p in enumerate(grp["params"])
-    }
-    shown = []
-    for p in params[:limit]:
-        g, i = where.get(id(p), (0, 0))
-        shown.append(names.display(p, f"param_groups[{g}].params[{i}]"))
-    more = f", and {len(params) - limit} more" if len(params) > limit else ""
-    return ", ".join(shown) + more
 
 
 def _cause(params: list[Any]) -> str:

@@ -96,7 +96,7 @@ def test_state_dicts_carry_lo_in_the_params_dtype_through_torch_save():
     entry = sd["state"][0]
     assert entry["collage_lo"].dtype == torch.bfloat16
     assert entry["collage_lo.exp_avg_sq"].dtype == torch.bfloat16
-    assert entry["collage_hi"].dtype == torch.int64
+    assert entry["collage_hi"].dtype == torch.bfloat16  # two int64's bits: torch's cast keeps it
     assert all(not k.startswith("collage") for s in opt.state.values() for k in s)
     saved = _saved({"model": model.state_dict(), "opt": sd})
 
@@ -256,12 +256,20 @@ def test_weights_and_optimizer_rolled_back_together_restore_the_saved_pairs(firs
     assert _same_pairs(_pairs(model), _pairs(twin)), (
         "the rolled-back run's step is not the saved run's"
     )
-    # the saved run's stream (steps 0-3, then 9) in float64 and in plain bf16
+    err, err_plain = _against_float64(model, (0, 1, 2, 3, 9))
+    print(f"rolled back together ({first} first): {err:.2e}, plain bf16 {err_plain:.2e}")
+    assert err < 0.01 and err_plain > 0.5, (err, err_plain)
+
+
+def _against_float64(model, seeds) -> tuple[float, float]:
+    """How far ``model`` (stepped from ``_adamw()``'s weights on the gradients of
+    ``seeds``) and plain bf16 on the same stream end from float64, relative to its
+    movement."""
     start = [p.detach().double().clone() for p in _adamw()[0].parameters()]
     ref = [torch.nn.Parameter(t.clone()) for t in start]
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
     plain, plain_opt = _adamw()
-    for k in (0, 1, 2, 3, 9):
+    for k in seeds:
         _grads(plain, k)
         for r, q in zip(ref, plain.parameters()):
             r.grad = q.grad.double()
@@ -270,8 +278,68 @@ def test_weights_and_optimizer_rolled_back_together_restore_the_saved_pairs(firs
     err = relative_error(
         _flat(map(collage_compile.value, model.parameters())), _flat(ref), _flat(start)
     )
-    err_plain = relative_error(_flat(plain.parameters()), _flat(ref), _flat(start))
-    print(f"rolled back together ({first} first): {err:.2e}, plain bf16 {err_plain:.2e}")
+    return err, relative_error(_flat(plain.parameters()), _flat(ref), _flat(start))
+
+
+def _older_format(sd):
+    """``sd`` as checkpoints were saved before the checksum was kept in the param's
+    dtype: an int64 pair."""
+    for entry in sd["state"].values():
+        if "collage_hi" in entry:
+            entry["collage_hi"] = entry["collage_hi"].view(torch.int64).clone()
+    return sd
+
+
+@pytest.mark.parametrize("how", ["attached_after", "compiled_only", "older_format"])
+def test_an_optimizer_loaded_before_attach_still_restores_its_lo(how):
+    """The Hugging Face Trainer's order: weights and optimizer state loaded into a fresh
+    run, then ``compile_optimizer`` and ``attach`` (``attached_after``), or an optimizer
+    compiled and never attached (``compiled_only``: its ``state_dict()`` says it carries
+    no lo).  torch's load casts every state tensor to the param's dtype, which the
+    checksum, kept in that dtype, survives: the next step is the saved run's bit for bit.
+    An older int64 checksum loaded the same way is cast and cannot be checked: its lo
+    restart from zero, named (``older_format``); loaded after ``attach``, it is read."""
+    model, opt = _adamw()
+    collage_compile.compile_optimizer(opt, mode="plus")
+    collage_compile.attach(opt)
+    for k in range(4):
+        _grads(model, k)
+        opt.step()
+    saved_model, saved_opt = _saved(model.state_dict()), _saved(opt.state_dict())
+    if how == "older_format":
+        saved_opt = _older_format(saved_opt)
+    new, new_opt = _adamw(seed=1)
+    if how == "compiled_only":
+        collage_compile.compile_optimizer(new_opt, mode="plus")
+    new.load_state_dict(saved_model)
+    new_opt.load_state_dict(saved_opt)
+    if how == "compiled_only":
+        with pytest.warns(collage_compile.CollageWarning, match="carries no lo of its 2 low"):
+            new_opt.state_dict()
+    else:
+        collage_compile.compile_optimizer(new_opt, mode="plus")
+        if how == "older_format":
+            with pytest.warns(collage_compile.CollageWarning, match=r"older format.*weight, "):
+                collage_compile.attach(new_opt)
+            assert all(state.get_lo(p) is None for p in new.parameters())
+            # attached before the load, the same checkpoint is read
+            newer, newer_opt = _adamw(seed=1)
+            collage_compile.compile_optimizer(newer_opt, mode="plus")
+            collage_compile.attach(newer_opt)
+            newer.load_state_dict(saved_model)
+            newer_opt.load_state_dict(_older_format(_saved(opt.state_dict())))
+            new, new_opt = newer, newer_opt
+        else:
+            collage_compile.attach(new_opt)
+    assert all(not str(k).startswith("collage") for s in new_opt.state.values() for k in s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for m, o in ((model, opt), (new, new_opt)):
+            _grads(m, 9)
+            o.step()
+    assert _same_pairs(_pairs(new), _pairs(model)), "the loaded run's step is not the saved run's"
+    err, err_plain = _against_float64(new, (0, 1, 2, 3, 9))
+    print(f"loaded before attach ({how}): {err:.2e} of float64, plain bf16 {err_plain:.2e}")
     assert err < 0.01 and err_plain > 0.5, (err, err_plain)
 
 
