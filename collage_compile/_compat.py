@@ -342,6 +342,25 @@ def on_recompile_limit(callback: Callable[[str, str, str, str], None]) -> None:
     logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
 
 
+_reset_marker: list[Callable[[Any], None]] = []
+_resets_seen = [0]
+
+
+def dynamo_resets() -> int:
+    """How many ``torch._dynamo.reset()`` calls there have been since the first call of
+    this function, counted when asked: a reset clears Dynamo's compile-start callbacks
+    (``callback_handler.clear()``), where a no-op one of ours sits.  Same on 2.11 and 2.13."""
+    from torch._dynamo.callback import callback_handler
+
+    if _reset_marker and any(c is _reset_marker[0] for c in callback_handler.start_callbacks):
+        return _resets_seen[0]
+    if _reset_marker:
+        _resets_seen[0] += 1
+    _reset_marker[:] = [lambda _args: None]
+    callback_handler.register_start_callback(_reset_marker[0])
+    return _resets_seen[0]
+
+
 def on_cudagraph_skip(callback: Callable[[str], None]) -> None:
     """Call ``callback(reason)`` whenever Inductor decides not to capture a CUDA graph, at
     compile time (a fresh compile or one loaded from its cache) or when cudagraph trees

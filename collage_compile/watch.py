@@ -62,6 +62,9 @@ _expected: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], dict[i
 )
 # "'step' (file:line)" -> (names, ids) of the tensors the collage graphs of that frame upgrade
 _frames: dict[str, tuple[list[str], set[int]]] = {}
+# how many torch._dynamo.reset() calls had been made when _frames was last added to: a
+# reset discards every compiled graph, and a later recompile limit is another backend's
+_frames_reset = [0]
 # ids of tensors already named in a recompile-limit warning (not named again per step)
 _limit_named: set[int] = set()
 # optimizer -> parameter count when its input was last checked
@@ -127,9 +130,19 @@ def record_call(ids: frozenset[int]) -> None:
 def compiled_frame(frame: str | None, upgraded: list[tuple[str, int | None]]) -> None:
     """The backend compiled a graph of ``frame`` that upgrades these tensors (name, id)."""
     if frame is not None and upgraded:
+        _forget_frames_after_reset()
         shown, ids = _frames.setdefault(frame, ([], set()))
         shown.extend(n for n, _ in upgraded if n not in shown)
         ids.update(i for _, i in upgraded if i is not None)
+
+
+def _forget_frames_after_reset() -> None:
+    """Drop the frames recorded before a ``torch._dynamo.reset()``: their graphs are gone."""
+    resets = _compat.dynamo_resets()
+    if resets != _frames_reset[0]:
+        _frames.clear()
+        _limit_named.clear()
+        _frames_reset[0] = resets
 
 
 def expect_compiled(optimizer: Any) -> None:
@@ -314,6 +327,7 @@ def _cause(params: list[Any]) -> str:
 def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> None:
     _limits.append((function, limit, value, reason))
     del _limits[:-64]
+    _forget_frames_after_reset()
     if function not in _frames:
         return
     upgraded, ids = _frames[function]
