@@ -278,7 +278,7 @@ def lo_for(
         lo = get_lo(t)
         if lo is None or not _fits(lo, t):
             if lo is not None:
-                _warn_refit(lo, t)
+                _warn_refit(lo, t, name)
             with torch.no_grad():
                 lo = empty_lo(t, dtype).zero_()
             _register(t, lo)
@@ -425,14 +425,33 @@ def set_lo(t: torch.Tensor, lo: torch.Tensor) -> None:
     stamp(t, new)
 
 
-def _warn_refit(lo: torch.Tensor, t: torch.Tensor) -> None:
+def _warn_refit(lo: torch.Tensor, t: torch.Tensor, name: str = "") -> None:
+    shown = f"{name} ({tuple(t.shape)} " if name else f"tensor ({tuple(t.shape)} "
     warnings.warn(
-        f"collage: tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} changed under "
-        f"its lo ({tuple(lo.shape)} {str(lo.dtype).replace('torch.', '')}, strides "
-        f"{tuple(lo.stride())}); its lo restarts from zero",
+        f"collage: {shown}{str(t.dtype).replace('torch.', '')}, strides {tuple(t.stride())}) "
+        f"changed under its lo ({tuple(lo.shape)} {str(lo.dtype).replace('torch.', '')}, "
+        f"strides {tuple(lo.stride())}): module.half(), param.data = ...; its lo restarts "
+        "from zero (what it held, up to half an ulp of each element, is lost once)",
         CollageWarning,
         stacklevel=3,
     )
+
+
+def unpair(t: torch.Tensor) -> None:
+    """Forget ``t``'s lo: ``t`` is no longer low precision (``module.float()``), so its
+    lo describes no value of it."""
+    global _epoch
+    with _lock:
+        entry = _entries.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return
+        _epoch += 1
+        del _entries[id(t)]
+        for ptr, ids in list(_by_storage.items()):
+            ids.discard(id(t))
+            if not ids:
+                del _by_storage[ptr]
+    forget(entry[1])
 
 
 def _current_lo(t: torch.Tensor) -> torch.Tensor | None:

@@ -208,7 +208,14 @@ def _pair_params(optimizer: Any) -> tuple[frozenset[int], dict[int, Any]]:
 
 def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
     """``params`` (carrying pairs) were stepped without a collage graph: keep their lo as
-    the lo of the new hi, and say so once per optimizer."""
+    the lo of the new hi, and say so once per optimizer.  Those no longer low precision
+    (``module.float()``) need no pair: :func:`_widened` names them instead."""
+    widened = [p for p in params if p.dtype not in LOW_PRECISION]
+    if widened:
+        _widened(optimizer, widened)
+        params = [p for p in params if p.dtype in LOW_PRECISION]
+        if not params:
+            return
     for p in params:
         for t in [p, *_state_tensors(optimizer, p)]:
             lo = state.get_lo(t)
@@ -227,6 +234,24 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
         f"(step = torch.compile(opt.step, backend=collage_compile.backend), or "
         f"collage_compile.compile_optimizer(opt)).",
         stacklevel=4,
+    )
+
+
+def _widened(optimizer: Any, params: list[Any]) -> None:
+    """Parameters that carried a pair became float32 (``module.float()``): their step is
+    fp32 arithmetic, which needs no pair, but the part of their value the lo held is gone
+    (the widening kept hi alone).  Their lo is dropped, and that is said once."""
+    shown = names.of_params(optimizer, params)
+    for p in params:
+        state.unpair(p)
+    warn_once(
+        ("widened", str(id(optimizer)), shown),
+        f"collage: {len(params)} parameters of {type(optimizer).__name__} that carried a "
+        f"(hi, lo) pair are now {_dtype(params)} ({shown}): module.float() or param.data = "
+        "... widened hi alone, and what each lo held (up to half a bf16 ulp per element) was "
+        f"lost. They need no pair and train in {_dtype(params)} from here on. To widen "
+        "without that loss, collage_compile.convert(model, torch.float32) keeps hi + lo.",
+        stacklevel=5,
     )
 
 

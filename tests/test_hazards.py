@@ -224,11 +224,42 @@ def test_module_half_after_compiling_raises_instead_of_reading_bf16_bits_as_fp16
         step()
     torch._dynamo.reset()
     before = p.detach().clone()
-    with pytest.warns(collage_compile.CollageWarning, match="restarts from zero"):
+    # named as the step's source names it (a user's name_tensors would name it lin.weight)
+    with pytest.warns(collage_compile.CollageWarning, match=r"params\[0\] \(.*restarts from"):
         step()
     hi, lo = collage_compile.components(p)
     assert lo.dtype == torch.float16 and torch.equal(lo, torch.zeros_like(lo))
     assert torch.equal(hi.detach(), before)  # a zero update leaves the weights alone
+
+
+def test_module_float_mid_run_names_the_lo_it_lost_and_trains_on_in_fp32():
+    """``model.float()`` mid-run widens hi alone: what the lo held is lost, once.  Named
+    as that (a new-user test found it reported as a step run without the backend, with
+    causes that did not include it), and the fp32 weights then step without a pair or a
+    warning, tracking float64 from the widened values as fp32 SGD does."""
+    lin = torch.nn.Linear(16, 8).bfloat16()
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+    collage_compile.compile_optimizer(opt)
+    collage_compile.name_tensors(lin, opt)
+    stream = grad_stream(8 * 16 + 8, 8, mean=0.01)
+    for g in stream[:4]:
+        lin.weight.grad, lin.bias.grad = g[:128].view(8, 16).bfloat16(), g[128:].bfloat16()
+        opt.step()
+    assert all(collage_compile.components(p)[1] is not None for p in lin.parameters())
+    lin.float()
+    start = [p.detach().double().clone() for p in lin.parameters()]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for g in stream[4:]:
+            lin.weight.grad, lin.bias.grad = g[:128].view(8, 16).float(), g[128:].float()
+            opt.step()
+    msgs = [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
+    assert len(msgs) == 1, msgs
+    assert "now float32 (weight, bias)" in msgs[0] and "convert(model, torch.float32)" in msgs[0]
+    assert all(collage_compile.components(p)[1] is None for p in lin.parameters())
+    for p, s0, (i, j) in zip(lin.parameters(), start, ((0, 128), (128, 136))):
+        ref = s0 - 1e-3 * sum(g[i:j].double() for g in stream[4:]).view(s0.shape)
+        assert (p.detach().double() - ref).abs().max() < 1e-7
 
 
 def test_asgd_single_tensor_copy_after_its_decay_is_upgraded():
