@@ -295,35 +295,77 @@ def adopt(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def guard(optimizer: torch.optim.Optimizer) -> None:
-    """For an optimizer :func:`collage_compile.compile_optimizer` compiled: a checkpoint
-    loaded into it without :func:`attach` still restores its lo (:func:`adopt`), and its
-    ``state_dict()`` without :func:`attach` (which would carry no lo) is named once."""
-    count = [0]
+# optimizer -> [whether compile_optimizer compiled it] for those guard() hooked
+_guarded: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
 
-    def unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        if opt in _attached or count[0]:
-            return
-        low = [p for p in _params_by_index(opt).values() if p.dtype in LOW_PRECISION]
-        if not low:
-            return
-        count[0] += 1
-        from collage_compile import names
-        from collage_compile.diagnostics import CollageWarning
 
-        warnings.warn(
-            f"collage: {type(opt).__name__}.state_dict() carries no lo of its "
-            f"{len(low)} low-precision parameters ({names.of_params(opt, low)}): the "
-            "optimizer was compiled but not attached. A run resumed from this state (or a "
-            "distributed checkpoint loaded into it as a template) restarts every lo from "
-            "zero (up to half a bf16 ulp per weight, once). Call "
-            "collage_compile.attach(optimizer) once, before saving or loading.",
-            CollageWarning,
-            stacklevel=3,
-        )
-
-    optimizer.register_state_dict_post_hook(unattached)
+def guard(optimizer: torch.optim.Optimizer, compiled: bool = True) -> None:
+    """Hook an optimizer whose step collage compiles (once each): a checkpoint loaded into
+    it without :func:`attach` still restores its lo (:func:`adopt`), and a ``state_dict()``
+    taken without :func:`attach` (it carries no lo) is named once.  ``compiled``: by
+    :func:`collage_compile.compile_optimizer`, named even before any lo exists (a
+    distributed checkpoint's loading template); else (an optimizer the backend's graphs
+    step, seen at its first step) once its parameters carry a lo, and state that a load
+    left in it before that first step, which ran without it, is dropped by name."""
+    if optimizer in _guarded:
+        _guarded[optimizer][0] |= compiled
+        return
+    _guarded[optimizer] = [compiled]
+    if not compiled:
+        _drop_unrestored(optimizer)
+    optimizer.register_state_dict_post_hook(_warn_unattached)
     optimizer.register_load_state_dict_post_hook(adopt)
+
+
+def _warn_unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    flags = _guarded.get(opt)
+    if opt in _attached or flags is None or len(flags) > 1:
+        return  # attached, or said already
+    low = [p for p in _params_by_index(opt).values() if p.dtype in LOW_PRECISION]
+    if not flags[0]:
+        low = [p for p in low if state.get_lo(p) is not None]
+    if not low:
+        return
+    flags.append(True)
+    from collage_compile import names
+    from collage_compile.diagnostics import CollageWarning
+
+    warnings.warn(
+        f"collage: {type(opt).__name__}.state_dict() carries no lo of its {len(low)} "
+        f"low-precision parameters ({names.of_params(opt, low)}): the optimizer's step is "
+        "compiled by collage, but the optimizer is not attached. A run resumed from this "
+        "state (or a distributed checkpoint loaded into it as a template) restarts every lo "
+        "from zero (up to half a bf16 ulp per weight, once). Call "
+        "collage_compile.attach(optimizer) once, before saving or loading.",
+        CollageWarning,
+        stacklevel=3,
+    )
+
+
+def _drop_unrestored(optimizer: torch.optim.Optimizer) -> None:
+    """lo entries a load left in ``optimizer``'s state that its first step, just run,
+    did not use: too late to restore (its weights moved), so taken out and named."""
+    from collage_compile import names
+    from collage_compile.diagnostics import warn_once
+
+    left = []
+    for p, entry in optimizer.state.items():
+        keys = [k for k in entry if _ours(k)]
+        for k in keys:
+            del entry[k]
+        if keys:
+            left.append(p)
+    if left:
+        shown = names.of_params(optimizer, left)
+        warn_once(
+            ("unrestored", shown),
+            f"collage: {type(optimizer).__name__} was loaded from a checkpoint with lo "
+            f"entries, for {shown}, without collage_compile.attach: its first step ran "
+            "without them, so they are dropped, and each lo restarted from zero (up to half "
+            "a bf16 ulp per weight, once). Call collage_compile.attach(optimizer) (or "
+            "compile the step with collage_compile.compile_optimizer) before loading.",
+            stacklevel=6,
+        )
 
 
 # -------------------------------------------------------------------------------- module

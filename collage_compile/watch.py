@@ -437,7 +437,11 @@ def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
 
 def _check_input(optimizer: Any) -> None:
     """Warnings for what no graph can upgrade (fused kernels, complex32, sparse gradients,
-    an untraceable Adafactor); runs eagerly before every step, cheap after the first."""
+    an untraceable Adafactor), and the checkpoint hooks of every optimizer that steps
+    (:func:`checkpoint.guard`); runs after its first step and when its parameters change."""
+    from collage_compile import checkpoint
+
+    checkpoint.guard(optimizer, compiled=False)
     for g, group in enumerate(optimizer.param_groups):
         low = False
         for i, p in enumerate(group["params"]):

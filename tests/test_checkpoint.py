@@ -343,6 +343,43 @@ def test_an_optimizer_loaded_before_attach_still_restores_its_lo(how):
     assert err < 0.01 and err_plain > 0.5, (err, err_plain)
 
 
+def test_an_optimizer_stepped_by_the_backend_and_never_attached_loses_no_lo_unnamed():
+    """``torch.compile(opt.step, backend=...)``, no ``attach``: a checkpoint loaded before
+    the first step is too late for it (named, dropped); its ``state_dict()`` says it
+    carries no lo; a checkpoint loaded once it has stepped is restored, and the next step
+    is the saved run's bit for bit (which tracks float64; plain bf16 does not)."""
+    backend = collage_compile.make_backend(mode="plus")
+    model, opt = _adamw()
+    saved_step = torch.compile(opt.step, backend=backend)
+    collage_compile.attach(opt)
+    for k in range(4):
+        _grads(model, k)
+        saved_step()
+    saved_model, saved_opt = _saved(model.state_dict()), _saved(opt.state_dict())
+    new, new_opt = _adamw(seed=1)
+    step = torch.compile(new_opt.step, backend=backend)
+    new.load_state_dict(saved_model)
+    new_opt.load_state_dict(_saved(saved_opt))  # a copy: a load keeps the tensors it is given
+    _grads(new, 4)
+    with pytest.warns(collage_compile.CollageWarning, match="first step ran without them"):
+        step()
+    assert all(not str(k).startswith("collage") for s in new_opt.state.values() for k in s)
+    with pytest.warns(collage_compile.CollageWarning, match="carries no lo of its 2 low"):
+        new_opt.state_dict()
+    new.load_state_dict(saved_model)
+    new_opt.load_state_dict(saved_opt)  # now restored, by the hook its first step set
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        new_opt.state_dict()  # said once
+        for m, o in ((model, saved_step), (new, step)):
+            _grads(m, 9)
+            o()
+    assert _same_pairs(_pairs(new), _pairs(model)), "the loaded run's step is not the saved run's"
+    err, err_plain = _against_float64(new, (0, 1, 2, 3, 9))
+    print(f"loaded into a backend-compiled optimizer: {err:.2e} of float64, plain {err_plain:.2e}")
+    assert err < 0.01 and err_plain > 0.5, (err, err_plain)
+
+
 def _lo_ulp(lo: torch.Tensor) -> torch.Tensor:
     """One ulp of each bf16 ``lo`` (of the smallest normal where lo is 0 or subnormal)."""
     e = torch.frexp(lo.float().abs().clamp_min(2.0**-126))[1]
