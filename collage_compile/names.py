@@ -27,12 +27,25 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from collage_compile._compat import is_fake
 
-__all__ = ["display", "group_of", "name_tensors", "of_params", "pretty", "source_name"]
+__all__ = [
+    "display",
+    "group_of",
+    "name_tensors",
+    "of_params",
+    "pretty",
+    "remember",
+    "source_name",
+]
 
 _learned: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> name from a graph source
 _given: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> name from name_tensors
 _groups: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> optimizer group index
 _optimizers: list[weakref.ref] = []  # whose state is named when a name is asked for
+# optimizer state tensor -> "<its parameter's name>.<key>", or "state[i].<key>" where the
+# parameter has none (Dynamo's source gives the key's position: "state[0][2]")
+_derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_names_given = [0]  # bumped whenever a name is given or learned
+_derived_at: list[tuple[int, ...]] = [()]  # (_names_given, state sizes) _derived was made at
 
 
 def source_name(node: fx.Node) -> str:
@@ -85,7 +98,7 @@ def display(tensor: torch.Tensor | None, source: str) -> str:
     """The name to show for ``tensor`` (None when not known at compile time)."""
     if tensor is not None:
         _name_optimizer_state()
-        for names in (_given, _learned):
+        for names in (_given, _learned, _derived):
             if tensor in names:
                 return names[tensor]
     return pretty(source)
@@ -117,6 +130,7 @@ def learn(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
         source = source_name(node)
         if "_parameters[" in source or "_buffers[" in source:
             _learned[value] = pretty(source)
+            _names_given[0] += 1
 
 
 def name_tensors(
@@ -130,6 +144,7 @@ def name_tensors(
 
     Optional: without it, names come from the graphs (see module docstring).  Call it once,
     before or after compiling; it keeps no reference to the model or optimizer."""
+    _names_given[0] += 1
     if model is not None:
         for name, p in model.named_parameters(prefix=prefix.rstrip(".")):
             _given[p] = name
@@ -139,21 +154,28 @@ def name_tensors(
         for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 _groups[p] = i
-        if not any(r() is optimizer for r in _optimizers):
-            _optimizers[:] = [r for r in _optimizers if r() is not None]
-            _optimizers.append(weakref.ref(optimizer))
+        remember(optimizer)
+
+
+def remember(optimizer: torch.optim.Optimizer) -> None:
+    """Name ``optimizer``'s state in reports (after its parameter where that has a name,
+    else ``state[i].exp_avg_sq``); every optimizer collage steps is remembered (weakly)."""
+    if not any(r() is optimizer for r in _optimizers):
+        _optimizers[:] = [r for r in _optimizers if r() is not None]
+        _optimizers.append(weakref.ref(optimizer))
 
 
 def _name_optimizer_state() -> None:
-    # state is created lazily by the first (compiled) step: named when a name is asked for
-    for ref in _optimizers:
-        opt = ref()
-        if opt is None:
-            continue
-        for p, st in opt.state.items():
-            base = _given.get(p) or _learned.get(p)
-            if base is None:
-                continue
+    # state is created lazily by the first (compiled) step: named when a name is asked
+    # for, again only when a name was given or learned or a state gained entries since
+    live = [opt for opt in (r() for r in _optimizers) if opt is not None]
+    made_at = (_names_given[0], *(len(opt.state) for opt in live))
+    if made_at == _derived_at[0]:
+        return
+    _derived_at[0] = made_at
+    for opt in live:
+        for i, (p, st) in enumerate(opt.state.items()):
+            base = _given.get(p) or _learned.get(p) or f"state[{i}]"
             for key, v in st.items():
-                if isinstance(v, torch.Tensor) and v not in _given:
-                    _given[v] = f"{base}.{key}"
+                if isinstance(v, torch.Tensor):
+                    _derived[v] = f"{base}.{key}"

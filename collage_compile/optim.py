@@ -44,7 +44,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     CUDA graph and replayed, each call checked against what the compiled step would run
     (:mod:`collage_compile.replay`; on a CPU the recorded graphs are called directly).
     """
-    from collage_compile import checkpoint, compiler, replay, watch
+    from collage_compile import checkpoint, compiler, names, replay, watch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -67,6 +67,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             "torch.optim optimizer does"
         )
     _warn_if_nothing_to_upgrade(optimizer, options)
+    names.remember(optimizer)  # its state named in reports
     watch.install()
     whole = options.get("cudagraphs") is True  # the whole step as one replay
     options = _as_compiled(options)

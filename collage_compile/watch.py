@@ -442,6 +442,7 @@ def _check_input(optimizer: Any) -> None:
     from collage_compile import checkpoint
 
     checkpoint.guard(optimizer, compiled=False)
+    names.remember(optimizer)
     for g, group in enumerate(optimizer.param_groups):
         low = False
         for i, p in enumerate(group["params"]):

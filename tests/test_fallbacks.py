@@ -240,6 +240,30 @@ def test_an_ema_updated_eagerly_is_named_and_its_lo_is_not_used():
     assert len(_collage_warnings(rec)) == 1
 
 
+def test_optimizer_state_written_outside_the_step_is_named_by_its_key():
+    """Foreach AdamW's second moments (plus mode) scaled by hand: one warning names each
+    by its parameter's position and key, as torch's state_dict() numbers them, where
+    Dynamo's source gives the key's position ("state[0][2]", found by a new-user test)."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).bfloat16()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
+    collage_compile.compile_optimizer(opt, mode="plus")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p in m.parameters():
+            _grad(p, g)
+        opt.step()
+    with torch.no_grad():
+        for st in opt.state.values():
+            st["exp_avg_sq"].mul_(0.5)
+    with pytest.warns(Warning, match="written outside every collage-compiled step") as rec:
+        for p in m.parameters():
+            _grad(p, g)
+        opt.step()
+    (msg,) = _collage_warnings(rec)
+    shown = msg.split(" carrying")[0].removeprefix("collage: ").split(", ")
+    assert sorted(shown) == [f"state[{i}].exp_avg_sq" for i in range(4)], msg
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW], ids=lambda c: c.__name__)

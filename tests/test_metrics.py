@@ -235,7 +235,8 @@ def test_a_train_step_is_explained_logged_and_measured_per_tensor_and_group(capl
     assert any("4 tensors upgraded (8 writes)" in line for line in lines), lines
     assert logging.getLogger("collage_compile").getEffectiveLevel() >= logging.WARNING
     # explain: the forward graph (nothing written) and the optimizer's; names learned
-    # from the forward graph, the optimizer's state named by Dynamo's source
+    # from the forward graph, the optimizer's state named after them (by its key, where
+    # Dynamo's source gives the key's position: state[0][2])
     text = str(ex)
     print("\n" + text)
     assert len(ex.graphs) == 2
@@ -246,8 +247,8 @@ def test_a_train_step_is_explained_logged_and_measured_per_tensor_and_group(capl
         r"model\.0\.weight\s+\[64, 32\]\s+bfloat16\s+mul_ \+ addcdiv_\s+yes \(light\)", text
     )
     skipped = {e.name: e.reason for e in ex.skipped}
-    assert "mode='light' upgrades parameters" in skipped["state[0][2]"]  # exp_avg_sq
-    assert "not low precision" in skipped["state[0][0]"]  # the fp32 step counter
+    assert "mode='light' upgrades parameters" in skipped["model.0.weight.exp_avg_sq"]
+    assert "not low precision" in skipped["model.0.weight.step"]  # the fp32 step counter
     # metrics per tensor and per optimizer group
     by_tensor = collage_compile.last_metrics(by="tensor")
     by_group = collage_compile.last_metrics(by="group")
