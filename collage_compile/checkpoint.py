@@ -257,15 +257,16 @@ def _restore_entry(opt: torch.optim.Optimizer, p: torch.Tensor, ours: dict[str, 
                 _restore(v, lo, None, exact)
 
 
-def adopt(optimizer: torch.optim.Optimizer) -> None:
+def adopt(optimizer: torch.optim.Optimizer) -> int:
     """Take the lo entries that a load without the attach hooks left in ``optimizer``'s
     live state (a checkpoint loaded before :func:`attach`, or into an optimizer that
     :func:`collage_compile.compile_optimizer` compiled and nobody attached) out of it,
-    and restore them as an attached load would have.
+    and restore them as an attached load would have; returns how many parameter entries
+    it restored.
 
     An entry whose checksum torch cast to the param's dtype (int64, as saved before the
-    checksum was kept in that dtype) cannot be checked: its lo are dropped, with a
-    CollageWarning naming the parameters."""
+    checksum was kept in that dtype) cannot be checked: its lo (the weight's and its
+    state's) are dropped, with a CollageWarning naming the parameters."""
     from collage_compile import names
     from collage_compile.diagnostics import warn_once
 
@@ -275,6 +276,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> None:
         if keys:
             found[p] = {k: entry.pop(k) for k in keys}
     lost = []
+    restored = 0
     for p, ours in found.items():
         if not isinstance(p, torch.Tensor) or p.dtype not in LOW_PRECISION:
             continue  # saved by a low-precision run, loaded into a wider one: nothing to add
@@ -282,17 +284,20 @@ def adopt(optimizer: torch.optim.Optimizer) -> None:
             lost.append(p)
             continue
         _restore_entry(optimizer, p, ours)
+        restored += 1
     if lost:
         shown = names.of_params(optimizer, lost)
         warn_once(
             ("unreadable-checksum", shown),
-            f"collage: {type(optimizer).__name__} was loaded, before collage_compile.attach, "
+            f"collage: {type(optimizer).__name__} was loaded without collage_compile.attach "
             f"from a checkpoint in the older format (int64 weight checksums, which torch's "
-            f"load cast to the weights' dtype): the lo of {shown} cannot be checked against "
-            "their weights and restart from zero (up to half a bf16 ulp per weight, once). "
-            "Call collage_compile.attach(optimizer) before loading such a checkpoint.",
+            f"load cast to the weights' dtype): the lo of {shown} and of their optimizer "
+            "state cannot be checked against their weights and restart from zero (up to "
+            "half a bf16 ulp per element, once). Call collage_compile.attach(optimizer) "
+            "before loading such a checkpoint.",
             stacklevel=3,
         )
+    return restored
 
 
 # optimizer -> [whether compile_optimizer compiled it] for those guard() hooked
@@ -304,14 +309,17 @@ def guard(optimizer: torch.optim.Optimizer, compiled: bool = True) -> None:
     it without :func:`attach` still restores its lo (:func:`adopt`), and a ``state_dict()``
     taken without :func:`attach` (it carries no lo) is named once.  ``compiled``: by
     :func:`collage_compile.compile_optimizer`, named even before any lo exists (a
-    distributed checkpoint's loading template); else (an optimizer the backend's graphs
-    step, seen at its first step) once its parameters carry a lo, and state that a load
-    left in it before that first step, which ran without it, is dropped by name."""
+    distributed checkpoint's loading template), and what a load before it left is
+    restored now; else (an optimizer with low-precision parameters, seen at its first step
+    once collage is in use) named once its parameters carry a lo, and what a load left in
+    it before that first step, which ran without it, is dropped by name."""
     if optimizer in _guarded:
         _guarded[optimizer][0] |= compiled
         return
     _guarded[optimizer] = [compiled]
-    if not compiled:
+    if compiled:
+        adopt(optimizer)  # a load before compile_optimizer: no compiled step has run yet
+    else:
         _drop_unrestored(optimizer)
     optimizer.register_state_dict_post_hook(_warn_unattached)
     optimizer.register_load_state_dict_post_hook(adopt)

@@ -40,7 +40,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from collage_compile.checkpoint import attach
+from collage_compile.checkpoint import adopt, attach
 from collage_compile.metrics import last_metrics, measuring
 from collage_compile.optim import compile_optimizer
 
@@ -67,8 +67,11 @@ class CollageCallback(TrainerCallback):
             raise RuntimeError("collage: the Trainer passed no optimizer to on_train_begin")
         inner = _unwrap(optimizer)
         _unfuse(inner)
+        restored = adopt(inner)  # the lo the Trainer's resume load left in the state
         compile_optimizer(inner, **self.options)
-        attach(inner)  # after the Trainer's resume load: attach restores what it loaded
+        attach(inner)  # its checkpoints carry every lo from here on
+        if state.global_step > 0 and not restored:
+            _resumed_without_lo(inner, state.global_step)
         if self.metrics:
             _go_first(self)
 
@@ -90,6 +93,26 @@ class CollageCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
             last.update(m)  # the Trainer appended this log before calling the callbacks
+
+
+def _resumed_without_lo(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """A resumed run whose optimizer state held no lo to restore: named once, where it
+    has low-precision weights and loaded state (a resume, not a fresh start)."""
+    from collage_compile.diagnostics import warn_once
+    from collage_compile.mcf import LOW_PRECISION
+
+    low = any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
+    if not low or not any(optimizer.state.values()):
+        return
+    warn_once(
+        ("hf-resumed-without-lo", str(id(optimizer))),
+        f"collage: the Trainer resumed at step {step} from a checkpoint whose optimizer state "
+        "holds no lo (saved without CollageCallback or by a version whose callback did not "
+        "attach, or loaded where the callback cannot see it, as accelerate's FSDP load): every "
+        "lo restarts from zero (up to half a bf16 ulp per weight, once). Checkpoints this "
+        "run saves carry them.",
+        stacklevel=3,
+    )
 
 
 def _logs_next(args: Any, state: Any) -> bool:

@@ -45,7 +45,7 @@ _optimizers: list[weakref.ref] = []  # whose state is named when a name is asked
 # parameter has none (Dynamo's source gives the key's position: "state[0][2]")
 _derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _names_given = [0]  # bumped whenever a name is given or learned
-_derived_at: list[tuple[int, ...]] = [()]  # (_names_given, state sizes) _derived was made at
+_derived_at: list[tuple] = [()]  # (_names_given, (id, size) of each state) it was made at
 
 
 def source_name(node: fx.Node) -> str:
@@ -169,13 +169,16 @@ def _name_optimizer_state() -> None:
     # state is created lazily by the first (compiled) step: named when a name is asked
     # for, again only when a name was given or learned or a state gained entries since
     live = [opt for opt in (r() for r in _optimizers) if opt is not None]
-    made_at = (_names_given[0], *(len(opt.state) for opt in live))
+    # a load replaces the state dict: its id says so where the sizes stay the same
+    made_at = (_names_given[0], *((id(opt.state), len(opt.state)) for opt in live))
     if made_at == _derived_at[0]:
         return
     _derived_at[0] = made_at
     for opt in live:
-        for i, (p, st) in enumerate(opt.state.items()):
-            base = _given.get(p) or _learned.get(p) or f"state[{i}]"
+        # state[i]: the parameter's number in opt.state_dict() (its place in param_groups)
+        index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        for p, st in opt.state.items():
+            base = _given.get(p) or _learned.get(p) or f"state[{index.get(id(p), '?')}]"
             for key, v in st.items():
                 if isinstance(v, torch.Tensor):
                     _derived[v] = f"{base}.{key}"

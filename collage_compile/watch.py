@@ -441,8 +441,13 @@ def _check_input(optimizer: Any) -> None:
     (:func:`checkpoint.guard`); runs after its first step and when its parameters change."""
     from collage_compile import checkpoint
 
-    checkpoint.guard(optimizer, compiled=False)
-    names.remember(optimizer)
+    if any(
+        getattr(p, "dtype", None) in LOW_PRECISION
+        for g in optimizer.param_groups
+        for p in g["params"]
+    ):
+        checkpoint.guard(optimizer, compiled=False)
+        names.remember(optimizer)
     for g, group in enumerate(optimizer.param_groups):
         low = False
         for i, p in enumerate(group["params"]):

@@ -290,12 +290,14 @@ def _older_format(sd):
     return sd
 
 
-@pytest.mark.parametrize("how", ["attached_after", "compiled_only", "older_format"])
+@pytest.mark.parametrize(
+    "how", ["attached_after", "compiled_only", "compiled_after", "older_format"]
+)
 def test_an_optimizer_loaded_before_attach_still_restores_its_lo(how):
     """The Hugging Face Trainer's order: weights and optimizer state loaded into a fresh
-    run, then ``compile_optimizer`` and ``attach`` (``attached_after``), or an optimizer
-    compiled and never attached (``compiled_only``: its ``state_dict()`` says it carries
-    no lo).  torch's load casts every state tensor to the param's dtype, which the
+    run, then ``attach`` and ``compile_optimizer`` (``attached_after``), or an optimizer
+    compiled, before the load or after it, and never attached (``compiled_only``,
+    ``compiled_after``: its ``state_dict()`` says it carries no lo).  torch's load casts every state tensor to the param's dtype, which the
     checksum, kept in that dtype, survives: the next step is the saved run's bit for bit.
     An older int64 checksum loaded the same way is cast and cannot be checked: its lo
     restart from zero, named (``older_format``); loaded after ``attach``, it is read."""
@@ -313,24 +315,27 @@ def test_an_optimizer_loaded_before_attach_still_restores_its_lo(how):
         collage_compile.compile_optimizer(new_opt, mode="plus")
     new.load_state_dict(saved_model)
     new_opt.load_state_dict(saved_opt)
-    if how == "compiled_only":
+    if how == "compiled_after":
+        collage_compile.compile_optimizer(new_opt, mode="plus")
+    if how.startswith("compiled"):
         with pytest.warns(collage_compile.CollageWarning, match="carries no lo of its 2 low"):
             new_opt.state_dict()
-    else:
-        collage_compile.compile_optimizer(new_opt, mode="plus")
-        if how == "older_format":
-            with pytest.warns(collage_compile.CollageWarning, match=r"older format.*weight, "):
-                collage_compile.attach(new_opt)
-            assert all(state.get_lo(p) is None for p in new.parameters())
-            # attached before the load, the same checkpoint is read
-            newer, newer_opt = _adamw(seed=1)
-            collage_compile.compile_optimizer(newer_opt, mode="plus")
-            collage_compile.attach(newer_opt)
-            newer.load_state_dict(saved_model)
-            newer_opt.load_state_dict(_older_format(_saved(opt.state_dict())))
-            new, new_opt = newer, newer_opt
-        else:
+    elif how == "older_format":
+        with pytest.warns(
+            collage_compile.CollageWarning, match=r"older format.*params\[0\], param_groups"
+        ):
             collage_compile.attach(new_opt)
+        assert all(state.get_lo(p) is None for p in new.parameters())
+        # attached before the load, the same checkpoint is read
+        newer, newer_opt = _adamw(seed=1)
+        collage_compile.compile_optimizer(newer_opt, mode="plus")
+        collage_compile.attach(newer_opt)
+        newer.load_state_dict(saved_model)
+        newer_opt.load_state_dict(_older_format(_saved(opt.state_dict())))
+        new, new_opt = newer, newer_opt
+    else:  # attach takes what the load left, then the step is compiled
+        collage_compile.attach(new_opt)
+        collage_compile.compile_optimizer(new_opt, mode="plus")
     assert all(not str(k).startswith("collage") for s in new_opt.state.values() for k in s)
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)

@@ -11,6 +11,7 @@ no token hits must not turn NaN).  Compared with the same Trainer run on fp32 we
 from __future__ import annotations
 
 import copy
+import shutil
 import warnings
 
 import pytest
@@ -113,6 +114,22 @@ def test_trainer_with_collage_callback_tracks_fp32_master(tmp_path, mode):
         if not (torch.equal(p, q) and torch.equal(value(p), value(q)))
     ]
     assert not differ, f"resumed from step 12, these end elsewhere: {differ}"
+    if mode == "light":  # a checkpoint without lo (an older callback's) is named at resume
+        stripped = tmp_path / "stripped"
+        shutil.copytree(tmp_path / "collage" / "checkpoint-12", stripped)
+        sd = torch.load(stripped / "optimizer.pt")
+        for entry in sd["state"].values():
+            for key in [k for k in entry if k.startswith("collage_")]:
+                del entry[key]
+        torch.save(sd, stripped / "optimizer.pt")
+        with pytest.warns(collage_compile.CollageWarning, match="resumed at step 12 from a"):
+            _train(
+                base,
+                torch.bfloat16,
+                [CollageCallback(mode=mode)],
+                tmp_path / "stripped_run",
+                resume=str(stripped),
+            )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", collage_compile.CollageWarning)  # plain fused: warned
         plain, _ = _train(base, torch.bfloat16, [], tmp_path / "bf16")
