@@ -215,13 +215,18 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
         keys.clear()
         keys.update(zip(saved, live))
         packed = {}
+        without = []
         for i, entry in sd["state"].items():
             ours = {k: v for k, v in entry.items() if _ours(k)}
             if ours:
                 pending[i] = ours
                 entry = {k: v for k, v in entry.items() if k not in ours}
+            elif entry and getattr(keys.get(i), "dtype", None) in LOW_PRECISION:
+                without.append(keys[i])
             if entry:
                 packed[i] = entry
+        if without:
+            _warn_saved_without_lo(opt, without)
         return {**sd, "state": packed}
 
     def after_load(opt: torch.optim.Optimizer) -> None:
@@ -237,6 +242,25 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
     ]
     adopt(optimizer)  # what a load before this call left in the live state
     return hooks
+
+
+def _warn_saved_without_lo(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """An attached optimizer loads state that holds no lo for these low-precision
+    parameters: saved without ``attach``, or a DCP template built before it asked for none."""
+    from collage_compile import names
+    from collage_compile.diagnostics import warn_once
+
+    shown = names.of_params(opt, params)
+    warn_once(
+        ("saved-without-lo", str(id(opt)), shown),
+        f"collage: {type(opt).__name__} loads optimizer state that holds no lo for "
+        f"{len(params)} low-precision parameters ({shown}): saved by an optimizer that was "
+        "not attached, or (torch.distributed.checkpoint) loaded into a template built before "
+        "collage_compile.attach. If a collage run saved it, their lo were lost and restart "
+        "from zero (up to half a bf16 ulp per weight, once; at small learning rates that is "
+        "many steps' worth of updates).",
+        stacklevel=4,
+    )
 
 
 def _ours(key: Any) -> bool:

@@ -96,21 +96,23 @@ class CollageCallback(TrainerCallback):
 
 
 def _resumed_without_lo(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """A resumed run whose optimizer state held no lo to restore: named once, where it
-    has low-precision weights and loaded state (a resume, not a fresh start)."""
+    """A resumed run whose optimizer state held no lo to restore (or none at all:
+    ``save_only_model``): named once, where it has low-precision weights."""
     from collage_compile.diagnostics import warn_once
     from collage_compile.mcf import LOW_PRECISION
 
     low = any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"])
-    if not low or not any(optimizer.state.values()):
+    if not low:
         return
     warn_once(
         ("hf-resumed-without-lo", str(id(optimizer))),
-        f"collage: the Trainer resumed at step {step} from a checkpoint whose optimizer state "
-        "holds no lo (saved without CollageCallback or by a version whose callback did not "
-        "attach, or loaded where the callback cannot see it, as accelerate's FSDP load): every "
-        "lo restarts from zero (up to half a bf16 ulp per weight, once). Checkpoints this "
-        "run saves carry them.",
+        f"collage: the Trainer resumed at step {step} without the lo of its weights: the "
+        "checkpoint's optimizer state holds none (saved without CollageCallback, or by a "
+        "version whose callback did not attach, or with save_only_model=True, which keeps "
+        "no optimizer state), or it was loaded where the callback cannot see it (accelerate's "
+        "FSDP load). Every lo restarts from zero (up to half a bf16 ulp per weight, once; at "
+        "small learning rates that is many steps' worth of updates). Checkpoints this run "
+        "saves carry them.",
         stacklevel=3,
     )
 

@@ -385,6 +385,26 @@ def test_an_optimizer_stepped_by_the_backend_and_never_attached_loses_no_lo_unna
     assert err < 0.01 and err_plain > 0.5, (err, err_plain)
 
 
+def test_state_saved_without_lo_and_loaded_with_attach_is_named():
+    """Optimizer state saved by an optimizer that was not attached (or a DCP template built
+    before ``attach``, which asks for no lo) loaded into an attached one: the lo it should
+    have carried are gone, which the load names (the save warned too, but whoever resumes
+    may not have seen that); the weights' lo then restart from zero."""
+    model, opt = _adamw()
+    collage_compile.compile_optimizer(opt, mode="plus")
+    for k in range(3):
+        _grads(model, k)
+        opt.step()
+    with pytest.warns(collage_compile.CollageWarning, match="carries no lo"):
+        saved_model, saved_opt = _saved(model.state_dict()), _saved(opt.state_dict())
+    new, new_opt = _adamw(seed=1)
+    collage_compile.attach(new_opt)
+    new.load_state_dict(saved_model)
+    with pytest.warns(collage_compile.CollageWarning, match=r"holds no lo for 2 low-precision"):
+        new_opt.load_state_dict(saved_opt)
+    assert all(state.get_lo(p) is None for p in new.parameters())
+
+
 def _lo_ulp(lo: torch.Tensor) -> torch.Tensor:
     """One ulp of each bf16 ``lo`` (of the smallest normal where lo is 0 or subnormal)."""
     e = torch.frexp(lo.float().abs().clamp_min(2.0**-126))[1]
