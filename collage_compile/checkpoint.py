@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -244,21 +245,36 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
     return hooks
 
 
-def _warn_saved_without_lo(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """An attached optimizer loads state that holds no lo for these low-precision
-    parameters: saved without ``attach``, or a DCP template built before it asked for none."""
+def _name_lost(
+    key: tuple[str, ...],
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    message: Callable[[str], str],
+    stacklevel: int,
+) -> None:
+    """One CollageWarning per ``key`` and parameters: ``message`` of their names."""
     from collage_compile import names
     from collage_compile.diagnostics import warn_once
 
     shown = names.of_params(opt, params)
-    warn_once(
-        ("saved-without-lo", str(id(opt)), shown),
-        f"collage: {type(opt).__name__} loads optimizer state that holds no lo for "
-        f"{len(params)} low-precision parameters ({shown}): saved by an optimizer that was "
-        "not attached, or (torch.distributed.checkpoint) loaded into a template built before "
-        "collage_compile.attach. If a collage run saved it, their lo were lost and restart "
-        "from zero (up to half a bf16 ulp per weight, once; at small learning rates that is "
-        "many steps' worth of updates).",
+    warn_once((*key, shown), message(shown), stacklevel=stacklevel + 1)
+
+
+def _warn_saved_without_lo(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """An attached optimizer loads state that holds no lo for these low-precision
+    parameters: saved without ``attach``, or a DCP template built before it asked for none."""
+    _name_lost(
+        ("saved-without-lo", str(id(opt))),
+        opt,
+        params,
+        lambda shown: (
+            f"collage: {type(opt).__name__} loads optimizer state that holds no lo "
+            f"for {len(params)} low-precision parameters ({shown}): saved by an optimizer that "
+            "was not attached, or (torch.distributed.checkpoint) loaded into a template built "
+            "before collage_compile.attach. If a collage run saved it, their lo were lost and "
+            "restart from zero (up to half a bf16 ulp per weight, once; at small learning rates "
+            "that is many steps' worth of updates)."
+        ),
         stacklevel=4,
     )
 
@@ -291,17 +307,9 @@ def adopt(optimizer: torch.optim.Optimizer) -> int:
     An entry whose checksum torch cast to the param's dtype (int64, as saved before the
     checksum was kept in that dtype) cannot be checked: its lo (the weight's and its
     state's) are dropped, with a CollageWarning naming the parameters."""
-    from collage_compile import names
-    from collage_compile.diagnostics import warn_once
-
-    found: dict[torch.Tensor, dict[str, Any]] = {}
-    for p, entry in optimizer.state.items():
-        keys = [k for k in entry if _ours(k)]
-        if keys:
-            found[p] = {k: entry.pop(k) for k in keys}
     lost = []
     restored = 0
-    for p, ours in found.items():
+    for p, ours in _take_ours(optimizer).items():
         if not isinstance(p, torch.Tensor) or p.dtype not in LOW_PRECISION:
             continue  # saved by a low-precision run, loaded into a wider one: nothing to add
         if HI in ours and not _readable(ours[HI]):
@@ -310,18 +318,31 @@ def adopt(optimizer: torch.optim.Optimizer) -> int:
         _restore_entry(optimizer, p, ours)
         restored += 1
     if lost:
-        shown = names.of_params(optimizer, lost)
-        warn_once(
-            ("unreadable-checksum", shown),
-            f"collage: {type(optimizer).__name__} was loaded without collage_compile.attach "
-            f"from a checkpoint in the older format (int64 weight checksums, which torch's "
-            f"load cast to the weights' dtype): the lo of {shown} and of their optimizer "
-            "state cannot be checked against their weights and restart from zero (up to "
-            "half a bf16 ulp per element, once). Call collage_compile.attach(optimizer) "
-            "before loading such a checkpoint.",
+        _name_lost(
+            ("unreadable-checksum",),
+            optimizer,
+            lost,
+            lambda shown: (
+                f"collage: {type(optimizer).__name__} was loaded without "
+                "collage_compile.attach from a checkpoint in the older format (int64 weight "
+                f"checksums, which torch's load cast to the weights' dtype): the lo of {shown} "
+                "and of their optimizer state cannot be checked against their weights and "
+                "restart from zero (up to half a bf16 ulp per element, once). Call "
+                "collage_compile.attach(optimizer) before loading such a checkpoint."
+            ),
             stacklevel=3,
         )
     return restored
+
+
+def _take_ours(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """The lo entries a load without the attach hooks left in the live state, taken out."""
+    found: dict[torch.Tensor, dict[str, Any]] = {}
+    for p, entry in optimizer.state.items():
+        keys = [k for k in entry if _ours(k)]
+        if keys:
+            found[p] = {k: entry.pop(k) for k in keys}
+    return found
 
 
 # optimizer -> [whether compile_optimizer compiled it] for those guard() hooked
@@ -377,25 +398,19 @@ def _warn_unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
 def _drop_unrestored(optimizer: torch.optim.Optimizer) -> None:
     """lo entries a load left in ``optimizer``'s state that its first step, just run,
     did not use: too late to restore (its weights moved), so taken out and named."""
-    from collage_compile import names
-    from collage_compile.diagnostics import warn_once
-
-    left = []
-    for p, entry in optimizer.state.items():
-        keys = [k for k in entry if _ours(k)]
-        for k in keys:
-            del entry[k]
-        if keys:
-            left.append(p)
+    left = list(_take_ours(optimizer))
     if left:
-        shown = names.of_params(optimizer, left)
-        warn_once(
-            ("unrestored", shown),
-            f"collage: {type(optimizer).__name__} was loaded from a checkpoint with lo "
-            f"entries, for {shown}, without collage_compile.attach: its first step ran "
-            "without them, so they are dropped, and each lo restarted from zero (up to half "
-            "a bf16 ulp per weight, once). Call collage_compile.attach(optimizer) (or "
-            "compile the step with collage_compile.compile_optimizer) before loading.",
+        _name_lost(
+            ("unrestored",),
+            optimizer,
+            left,
+            lambda shown: (
+                f"collage: {type(optimizer).__name__} was loaded from a checkpoint "
+                f"with lo entries, for {shown}, without collage_compile.attach: its first step "
+                "ran without them, so they are dropped, and each lo restarted from zero (up to "
+                "half a bf16 ulp per weight, once). Call collage_compile.attach(optimizer) (or "
+                "compile the step with collage_compile.compile_optimizer) before loading."
+            ),
             stacklevel=6,
         )
 
