@@ -106,7 +106,7 @@ def _sweep_views() -> None:
     _views_live_after_sweep = len(_by_view)
 
 
-def _drop(key: int, ref: weakref.ref, ptr: int) -> None:
+def _drop(key: int, ref: weakref.ref, ptr: int | None) -> None:
     global _epoch
     with _lock:
         entry = _entries.get(key)
@@ -440,17 +440,13 @@ def _warn_refit(lo: torch.Tensor, t: torch.Tensor, name: str = "") -> None:
 def unpair(t: torch.Tensor) -> None:
     """Forget ``t``'s lo: ``t`` is no longer low precision (``module.float()``), so its
     lo describes no value of it."""
-    global _epoch
     with _lock:
         entry = _entries.get(id(t))
         if entry is None or entry[0]() is not t:
             return
-        _epoch += 1
-        del _entries[id(t)]
-        for ptr, ids in list(_by_storage.items()):
-            ids.discard(id(t))
-            if not ids:
-                del _by_storage[ptr]
+        # registered under the storage it had then (module.float() gave it another)
+        ptr = next((ptr for ptr, ids in _by_storage.items() if id(t) in ids), None)
+    _drop(id(t), entry[0], ptr)  # as if the tensor had died
     forget(entry[1])
 
 
