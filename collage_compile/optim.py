@@ -11,8 +11,10 @@ backend=collage_compile.backend)`` remains the explicit spelling of the same thi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +22,13 @@ import torch
 from collage_compile.config import CollageConfig
 
 __all__ = ["GradScaler", "compile_optimizer"]
+
+#: every optimizer compile_optimizer compiled, while it lives (see :func:`_room`)
+_COMPILED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+#: the graphs one optimizer may add to a shared step's code: its step, and a second one
+#: where a guard of the first changes once (the state a first step creates)
+_GRAPHS_PER_OPTIMIZER = 2
+_NO_ROOM = contextlib.nullcontext()
 
 
 def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch.optim.Optimizer:
@@ -69,6 +78,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     _warn_if_nothing_to_upgrade(optimizer, options)
     names.remember(optimizer)  # its state named in reports
     watch.install()
+    _COMPILED.add(optimizer)
     whole = options.get("cudagraphs") is True  # the whole step as one replay
     options = _as_compiled(options)
     backend = compiler.make_backend(**options) if options else compiler.backend
@@ -83,13 +93,15 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             first.clear()
             _scheduled_dynamic(self)
         if closure is None:
-            return compiled(*args, **kwargs)
+            with _room():
+                return compiled(*args, **kwargs)
         # torch.optim's step calls the closure first, with grad enabled, and returns its
         # loss: done here, outside the compiled step, into which Dynamo would otherwise
         # trace the closure's forward and backward (Lightning passes one on every step)
         with torch.enable_grad():
             loss = closure()
-        compiled(*args, **kwargs)
+        with _room():
+            compiled(*args, **kwargs)
         return loss
 
     if options.get("mode") != "off":
@@ -106,6 +118,29 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def _room() -> Any:
+    """Room under Dynamo's recompile limit for every optimizer compiled here, while one of
+    them steps.
+
+    All optimizers run the same code (torch.optim's step wrapper, their class's
+    ``step``), and Dynamo guards each compiled optimizer by its identity there, counting
+    every optimizer's graphs against the one limit of that code (8 by default).  Past it,
+    the next optimizer's step ran eagerly: named, but uncompensated.  An optimizer per
+    parameter, stepped in a gradient hook (optimizer in backward, torchtune's
+    ``optimizer_in_bwd``), compiles one per parameter.  So, while a step compiled here
+    runs, the limit is raised by the graphs the other optimizers compiled here may hold
+    (:data:`_GRAPHS_PER_OPTIMIZER` each), only where they would not fit under it: the
+    limit still stops a step that recompiles on its own.  Plain Inductor's optimizers
+    get no room; one that fills the limit first is still named
+    (``tests/test_fallbacks.py -k never_compiles``)."""
+    from collage_compile import _compat
+
+    n = len(_COMPILED)
+    if _GRAPHS_PER_OPTIMIZER * n <= _compat.recompile_limit():
+        return _NO_ROOM
+    return _compat.RecompileRoom(_GRAPHS_PER_OPTIMIZER * (n - 1))
 
 
 def _as_compiled(options: dict[str, Any]) -> dict[str, Any]:

@@ -52,9 +52,15 @@ __all__ = ["compiled_frame", "install", "record_call"]
 _installed = False
 _install_lock = threading.Lock()
 
-# optimizer -> ids of the tensors written by each collage graph call since its last step
-_windows: weakref.WeakKeyDictionary[Any, list[frozenset[int]]] = weakref.WeakKeyDictionary()
-# a window longer than this belongs to an optimizer no longer stepped: dropped
+# ids of the tensors each collage graph call wrote, in call order; _calls[0] is call
+# number _first[0].  An optimizer's window is the calls since its last step: one log for
+# all, so a call costs the same however many optimizers there are (one per parameter,
+# stepped in backward, make hundreds)
+_calls: list[frozenset[int]] = []
+_first = [0]
+# optimizer -> the number of the first call of its window
+_windows: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# a window longer than this belongs to an optimizer no longer stepped: not judged
 _WINDOW_LIMIT = 4096
 # optimizer -> (registry epoch, parameter count, ids of parameters carrying a pair, id -> param)
 _expected: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], dict[int, Any]]] = (
@@ -121,10 +127,21 @@ in_call = _InCall()
 
 def record_call(ids: frozenset[int]) -> None:
     """A collage graph is writing the tensors with these ids (called before every call)."""
-    for opt, window in list(_windows.items()):
-        window.append(ids)
-        if len(window) > _WINDOW_LIMIT:
-            del _windows[opt]
+    _calls.append(ids)
+    if len(_calls) > 2 * _WINDOW_LIMIT:  # no window reaches back that far
+        del _calls[:_WINDOW_LIMIT]
+        _first[0] += _WINDOW_LIMIT
+
+
+def _take_window(optimizer: Any) -> list[frozenset[int]] | None:
+    """The calls since the optimizer's last step (None: not watched until now, or too
+    long ago), and its next window begun."""
+    start = _windows.get(optimizer)
+    end = _first[0] + len(_calls)
+    _windows[optimizer] = end
+    if start is None or end - start > _WINDOW_LIMIT:
+        return None
+    return _calls[start - _first[0] :]
 
 
 def compiled_frame(frame: str | None, upgraded: list[tuple[str, int | None]]) -> None:
@@ -150,12 +167,13 @@ def expect_compiled(optimizer: Any) -> None:
     step in which no collage graph wrote any of its low-precision weights that have a
     gradient ran without one, pairs or not (:func:`_uncompiled_step`)."""
     _compiled_optimizers[optimizer] = (-1, frozenset())
-    _windows.setdefault(optimizer, [])
+    _windows.setdefault(optimizer, _first[0] + len(_calls))
 
 
 def reset() -> None:
     """Forget what was watched (tests; a fresh start).  The hook stays installed."""
     _windows.clear()
+    _calls.clear()
     _compiled_optimizers.clear()
     _expected.clear()
     _frames.clear()
@@ -172,8 +190,7 @@ def _after_step(optimizer: Any) -> None:
     if _checked.get(optimizer) != count:
         _check_input(optimizer)
         _checked[optimizer] = count
-    window = _windows.get(optimizer)
-    _windows[optimizer] = []  # the next step's window
+    window = _take_window(optimizer)
     if window is not None:  # None: its first step since the watch began (nothing to compare)
         written = frozenset().union(*window)
         expected, by_id = _pair_params(optimizer)
@@ -315,7 +332,9 @@ def _limit_of_class(optimizer: Any) -> str | None:
             return (
                 f"torch.compile hit config.{limit} ({value}) for {name} (last reason: "
                 f"{reason}): every optimizer runs that code and each one compiled adds graphs "
-                "of its own, and a call that matches none of them runs eagerly. Raise "
+                "of its own, and a call that matches none of them runs eagerly (optimizers "
+                "compiled by compile_optimizer leave room for each other; others, such as "
+                "torch.compile(opt.step), do not). Raise "
                 f"torch._dynamo.config.{limit} above the number of optimizers you compile"
             )
     return None

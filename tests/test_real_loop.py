@@ -200,3 +200,81 @@ def test_fp16_weights_with_dynamic_loss_scaling(compiled):
     torch_scaler.scale(half(_batches()[0][0]).float().sum()).backward()
     with pytest.raises(ValueError, match="unscale FP16 gradients"):
         torch_scaler.unscale_(torch.optim.SGD(half.parameters(), lr=1e-4))
+
+
+def _in_backward(dtype, compiled, cudagraphs=False, device="cpu"):
+    """Five Linear layers (10 parameters, more than Dynamo's recompile limit of 8), one
+    AdamW per parameter stepped in its gradient hook as torchtune's ``optimizer_in_bwd``
+    does, each with the warmup + cosine schedule, on a fixed stream of gradients: the loss
+    is linear in the weights, so every run, float64 included, gets the same gradients."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(5)]
+    model = torch.nn.Sequential(*layers).bfloat16().to(device, dtype)  # one start for all
+    params = list(model.parameters())
+    start = [p.detach().double().clone() for p in params]
+    opts = {p: torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1) for p in params}
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule) for o in opts.values()]
+    if compiled:
+        for opt in opts.values():
+            collage_compile.compile_optimizer(opt, cudagraphs=cudagraphs)
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        grads = [
+            (1e-2 * torch.randn(p.shape, generator=g)).bfloat16().to(device, dtype) for p in params
+        ]
+        sum((p * gr).sum() for p, gr in zip(params, grads)).backward()
+        for s in scheds:
+            s.step()
+    return start, [collage_compile.value(p).double() for p in params], opts
+
+
+@pytest.mark.parametrize(
+    "device, cudagraphs",
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param(
+            "cuda",
+            True,
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+    ids=["compiled", "replayed", "cuda-replayed"],
+)
+def test_one_optimizer_per_parameter_stepped_in_backward_is_compensated(device, cudagraphs):
+    """Optimizer in backward compiles one optimizer per parameter, all running torch.optim's
+    shared step code, where Dynamo guards each by identity: past its recompile limit (8)
+    the rest stepped eagerly, in plain bf16 (named, not compensated).  ``compile_optimizer``
+    leaves room under the limit for the optimizers it compiled while one of them steps
+    (``optim._room``): all ten compile once and stay compensated, with no warning.
+    ``replayed``: with ``cudagraphs=True`` each step after the second is a replay of the
+    recorded graphs (on a CPU, called without Dynamo, whose guards check every optimizer's
+    graphs in turn; on CUDA, each a CUDA graph captured and replayed inside backward, on
+    autograd's device thread)."""
+    torch._dynamo.reset()
+    start, ref, _ = _in_backward(torch.float64, compiled=False, device=device)
+    _, plain, _ = _in_backward(torch.bfloat16, compiled=False, device=device)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _, collage, opts = _in_backward(
+            torch.bfloat16, compiled=True, cudagraphs=cudagraphs, device=device
+        )
+    assert not [
+        str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)
+    ]
+    assert all(state.get_lo(p) is not None for p in opts)
+    if cudagraphs:
+        assert [o.step.whole_step.replays for o in opts.values()] == [STEPS - 2] * len(opts)
+    err = max(relative_error(c, r, s) for c, r, s in zip(collage, ref, start))
+    err_plain = max(relative_error(c, r, s) for c, r, s in zip(plain, ref, start))
+    print(
+        f"optimizer in backward, 10 AdamW, {device}: collage {err:.3g}, plain bf16 {err_plain:.3g}"
+    )
+    assert err < 1e-2 and err_plain > 0.3, (err, err_plain)
