@@ -369,6 +369,20 @@ class RecompileRoom:
         cfg.recompile_limit, cfg.accumulated_recompile_limit = self.old
 
 
+def compiling_in_backward_crashes() -> bool:
+    """Whether a torch.compile inside a backward pass (a first optimizer step in a gradient
+    hook) can crash the process: on torch 2.11 (CPU, any backend, ``"eager"`` included) a
+    garbage collection during or after such a compile segfaulted; a step compiled outside
+    backward ran inside it safely.  Not on 2.13."""
+    return torch_version() < "2.13"
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass in this thread (a gradient
+    hook is being called).  Checked on 2.11 and 2.13."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def recompile_limit() -> int:
     return torch._dynamo.config.recompile_limit
 

@@ -23,8 +23,11 @@ from collage_compile.config import CollageConfig
 
 __all__ = ["GradScaler", "compile_optimizer"]
 
-#: every optimizer compile_optimizer compiled, while it lives (see :func:`_room`)
-_COMPILED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+#: every optimizer compile_optimizer compiled, while it lives -> the count of
+#: ``torch._dynamo.reset()`` calls then (one made since discarded its graphs; see :func:`_room`)
+_COMPILED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+#: (len(_COMPILED), resets, how many of them were compiled since the last reset)
+_live = [(-1, -1, 0)]
 #: the graphs one optimizer may add to a shared step's code: its step, and a second one
 #: where a guard of the first changes once (the state a first step creates)
 _GRAPHS_PER_OPTIMIZER = 2
@@ -53,7 +56,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     CUDA graph and replayed, each call checked against what the compiled step would run
     (:mod:`collage_compile.replay`; on a CPU the recorded graphs are called directly).
     """
-    from collage_compile import checkpoint, compiler, names, replay, watch
+    from collage_compile import _compat, checkpoint, compiler, names, replay, watch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -78,7 +81,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     _warn_if_nothing_to_upgrade(optimizer, options)
     names.remember(optimizer)  # its state named in reports
     watch.install()
-    _COMPILED.add(optimizer)
+    _COMPILED[optimizer] = _compat.dynamo_resets()
     whole = options.get("cudagraphs") is True  # the whole step as one replay
     options = _as_compiled(options)
     backend = compiler.make_backend(**options) if options else compiler.backend
@@ -90,6 +93,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
 
     def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
         if first:  # a scheduler made since compile_optimizer is known by now
+            _refuse_compiling_in_backward(self)
             first.clear()
             _scheduled_dynamic(self)
         if closure is None:
@@ -132,15 +136,38 @@ def _room() -> Any:
     ``optimizer_in_bwd``), compiles one per parameter.  So, while a step compiled here
     runs, the limit is raised by the graphs the other optimizers compiled here may hold
     (:data:`_GRAPHS_PER_OPTIMIZER` each), only where they would not fit under it: the
-    limit still stops a step that recompiles on its own.  Plain Inductor's optimizers
+    limit still stops a step that recompiles on its own.  Optimizers compiled before a
+    ``torch._dynamo.reset()`` hold no graph and take no room.  Plain Inductor's optimizers
     get no room; one that fills the limit first is still named
     (``tests/test_fallbacks.py -k never_compiles``)."""
     from collage_compile import _compat
 
-    n = len(_COMPILED)
-    if _GRAPHS_PER_OPTIMIZER * n <= _compat.recompile_limit():
+    n, limit = len(_COMPILED), _compat.recompile_limit()
+    if _GRAPHS_PER_OPTIMIZER * n <= limit:
         return _NO_ROOM
-    return _compat.RecompileRoom(_GRAPHS_PER_OPTIMIZER * (n - 1))
+    resets = _compat.dynamo_resets()
+    if _live[0][:2] != (n, resets):  # counted again only when either changes
+        _live[0] = (n, resets, sum(r == resets for r in _COMPILED.values()))
+    live = _live[0][2]
+    if _GRAPHS_PER_OPTIMIZER * live <= limit:
+        return _NO_ROOM
+    return _compat.RecompileRoom(_GRAPHS_PER_OPTIMIZER * (live - 1))
+
+
+def _refuse_compiling_in_backward(optimizer: torch.optim.Optimizer) -> None:
+    """A first step (which compiles) inside backward, on a torch whose compile there can
+    crash the process (:func:`_compat.compiling_in_backward_crashes`): a clear error
+    instead of a segfault."""
+    from collage_compile import _compat
+
+    if _compat.compiling_in_backward_crashes() and _compat.in_backward():
+        raise RuntimeError(
+            f"collage: {type(optimizer).__name__}.step is compiled by its first call, and this "
+            f"one runs inside backward (a gradient hook: optimizer in backward). On torch "
+            f"{_compat.torch_version()} a torch.compile inside backward can crash the process "
+            "(a segfault in garbage collection, with any backend); torch 2.13 does not. Step "
+            "the optimizer after backward, or use torch 2.13"
+        )
 
 
 def _as_compiled(options: dict[str, Any]) -> dict[str, Any]:

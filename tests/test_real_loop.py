@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from conftest import relative_error
 
 import collage_compile
-from collage_compile import report, state
+from collage_compile import _compat, report, state
 
 STEPS = 30
 WARMUP = 5
@@ -222,8 +222,7 @@ def _in_backward(dtype, compiled, cudagraphs=False, device="cpu"):
         opts[p].step()
         opts[p].zero_grad(set_to_none=True)
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         grads = [
@@ -232,6 +231,10 @@ def _in_backward(dtype, compiled, cudagraphs=False, device="cpu"):
         sum((p * gr).sum() for p, gr in zip(params, grads)).backward()
         for s in scheds:
             s.step()
+    # the hooks hold the parameters in a cycle: torch 2.11 segfaulted collecting such a dead
+    # model while a later run's backward compiled (a user keeps one model and its hooks)
+    for h in handles:
+        h.remove()
     return start, [collage_compile.value(p).double() for p in params], opts
 
 
@@ -259,6 +262,10 @@ def test_one_optimizer_per_parameter_stepped_in_backward_is_compensated(device, 
     graphs in turn; on CUDA, each a CUDA graph captured and replayed inside backward, on
     autograd's device thread)."""
     torch._dynamo.reset()
+    if _compat.compiling_in_backward_crashes():  # torch 2.11: refused, not a segfault
+        with pytest.raises(RuntimeError, match="inside backward can crash"):
+            _in_backward(torch.bfloat16, compiled=True, cudagraphs=cudagraphs, device=device)
+        return
     start, ref, _ = _in_backward(torch.float64, compiled=False, device=device)
     _, plain, _ = _in_backward(torch.bfloat16, compiled=False, device=device)
     with warnings.catch_warnings(record=True) as rec:
