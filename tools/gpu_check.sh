@@ -3,13 +3,17 @@
 # minutes of device time; a machine start took 30 s on 2026-11-26 and the machine goes
 # back after 30 s idle, so make the second call at once), logs under $OUT (else gpu_out/).
 # Run on an H200 on 2026-11-27: llama_cg step_demo, then tests, then replay step_demo_cg.
-# Next, what is still unmeasured:
-#   bash tools/gpu_check.sh suite               # the whole suite, at most 9 minutes (with
-#                                               # the replay's new CUDA tests since 6a68cf8)
-#   bash tools/gpu_check.sh step_demo llama_cg  # at once: light's synced ratio with the
-#                                               # example's AdamW (001749a), and the demo's
-#                                               # opt ms split host/device (3698bab); 8 min
-#   bash tools/gpu_check.sh step step_large     # a later session: --size gpu, 315M again
+# Next, what is still unmeasured, planned to fit one session (15 minutes of device time, a
+# start included), the Done-when figures first, then the suite in what is left:
+#   bash tools/gpu_check.sh llama_cg step_demo step_large  # call 1, about 8 min cold: the
+#                                               # demo side by side (opt ms split host and
+#                                               # device), light's synced ratio with the
+#                                               # example's AdamW, 315M with the replay's
+#                                               # gradient copy
+#   bash tools/gpu_check.sh suite_quick         # call 2, at once: the whole suite, 16
+#                                               # workers, stopped at 270 s (pytest then
+#                                               # still reports what ran and failed)
+#   bash tools/gpu_check.sh step                # a later session: --size gpu
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
 # Before it, here: bash ../shared/device-prep.sh (expecttest's wheel into .whl/, carried).
@@ -26,6 +30,7 @@
 #              H100, 2026-11-27, cold: 188 s (10 failures, fixed since; a rerun of the
 #              Triton, codegen and host-cost files with 8 workers did not end in 190 s:
 #              the interpreter's comparisons, 60-100 s each, now left to the CPUs)
+#   suite_quick  README's whole test suite, 16 workers, without the tile probe (not yet run)
 #   suite      tools/probe_tiles.py (the host compiler's bf16 tile transposes; wrong here on
 #              GCC 12.2, AVX-512; 60 s), then README's whole test suite on the GPU image, 14
 #              workers (issue 26's "the suite on the GPU image"; not yet run there whole;
@@ -86,6 +91,7 @@ run() {
     # the host's C++ compiler first: does it transpose bf16 tiles right?
     suite) part 60 tiles.log python3 tools/probe_tiles.py
         part 460 suite.log python3 -m pytest -n 14 -q -rfs --tb=short --durations=15 ;;
+    suite_quick) part 270 suite.log python3 -m pytest -n 16 -q -rfs --tb=short --durations=25 ;;
     replay) part 100 replay.log python3 -m pytest -n 6 -q -rfs --tb=short tests/test_replay.py ;;
     step_demo_cg) part 140 step_demo_cg.log python3 -m benchmarks.step --device cuda \
         --size demo --new-grads --variants fused cudagraphs --json "$out/step_demo_cg.json" ;;
