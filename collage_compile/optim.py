@@ -24,7 +24,8 @@ from collage_compile.config import CollageConfig
 __all__ = ["GradScaler", "compile_optimizer"]
 
 #: every optimizer compile_optimizer compiled, while it lives -> the count of
-#: ``torch._dynamo.reset()`` calls then (one made since discarded its graphs; see :func:`_room`)
+#: ``torch._dynamo.reset()`` calls at its compile or at its last step since one (a reset
+#: discards every graph; see :func:`_room`)
 _COMPILED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 #: (len(_COMPILED), resets, how many of them were compiled since the last reset)
 _live = [(-1, -1, 0)]
@@ -97,14 +98,14 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             first.clear()
             _scheduled_dynamic(self)
         if closure is None:
-            with _room():
+            with _room(self):
                 return compiled(*args, **kwargs)
         # torch.optim's step calls the closure first, with grad enabled, and returns its
         # loss: done here, outside the compiled step, into which Dynamo would otherwise
         # trace the closure's forward and backward (Lightning passes one on every step)
         with torch.enable_grad():
             loss = closure()
-        with _room():
+        with _room(self):
             compiled(*args, **kwargs)
         return loss
 
@@ -124,7 +125,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     return optimizer
 
 
-def _room() -> Any:
+def _room(optimizer: torch.optim.Optimizer) -> Any:
     """Room under Dynamo's recompile limit for every optimizer compiled here, while one of
     them steps.
 
@@ -136,8 +137,9 @@ def _room() -> Any:
     ``optimizer_in_bwd``), compiles one per parameter.  So, while a step compiled here
     runs, the limit is raised by the graphs the other optimizers compiled here may hold
     (:data:`_GRAPHS_PER_OPTIMIZER` each), only where they would not fit under it: the
-    limit still stops a step that recompiles on its own.  Optimizers compiled before a
-    ``torch._dynamo.reset()`` hold no graph and take no room.  Plain Inductor's optimizers
+    limit still stops a step that recompiles on its own.  An optimizer takes room from
+    its compile, or since a ``torch._dynamo.reset()`` (which discards every graph) from
+    its next step, when it compiles again.  Plain Inductor's optimizers
     get no room; one that fills the limit first is still named
     (``tests/test_fallbacks.py -k never_compiles``)."""
     from collage_compile import _compat
@@ -146,6 +148,9 @@ def _room() -> Any:
     if _GRAPHS_PER_OPTIMIZER * n <= limit:
         return _NO_ROOM
     resets = _compat.dynamo_resets()
+    if _COMPILED.get(optimizer) != resets:  # its first step since a reset: it compiles
+        _COMPILED[optimizer] = resets
+        _live[0] = (-1, -1, 0)
     if _live[0][:2] != (n, resets):  # counted again only when either changes
         _live[0] = (n, resets, sum(r == resets for r in _COMPILED.values()))
     live = _live[0][2]

@@ -159,6 +159,7 @@ def _forget_frames_after_reset() -> None:
     if resets != _frames_reset[0]:
         _frames.clear()
         _limit_named.clear()
+        _limits.clear()
         _frames_reset[0] = resets
 
 
@@ -245,7 +246,8 @@ def _eager_step(optimizer: Any, params: list[Any], carrying: int) -> None:
         ("eager-step", str(id(optimizer))),
         f"collage: {type(optimizer).__name__}.step ran without a graph compiled by the collage "
         f"backend: {len(params)} of its {carrying} parameters that carry a (hi, lo) pair "
-        f"({shown}) {_updated_plainly(params)}. Cause: {_cause(params)}. Their lo is kept "
+        f"({shown}) {_updated_plainly(params)}. Cause: "
+        f"{_limit_of_class(optimizer) or _cause(params)}. Their lo is kept "
         "and the next compiled step resumes from hi + lo. "
         f"To stay compensated, call the compiled step every time "
         f"(step = torch.compile(opt.step, backend=collage_compile.backend), or "
@@ -327,6 +329,7 @@ def _limit_of_class(optimizer: Any) -> str | None:
     """A recompile limit hit for code of torch.optim (its step wrapper, a class's step):
     every optimizer runs that code and each compiled one adds graphs of its own (Dynamo
     guards on the optimizer object), so others' compiles count toward the limit."""
+    _forget_frames_after_reset()  # a limit hit before a reset is not this step's cause
     for name, limit, value, reason in reversed(_limits):
         if "/torch/optim/" in name.replace("\\", "/"):
             return (
@@ -369,9 +372,9 @@ def _cause(params: list[Any]) -> str:
 
 
 def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> None:
+    _forget_frames_after_reset()
     _limits.append((function, limit, value, reason))
     del _limits[:-64]
-    _forget_frames_after_reset()
     if function not in _frames:
         return
     upgraded, ids = _frames[function]
@@ -445,7 +448,9 @@ def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
         f"written outside every collage-compiled step ({why}): an update that ran eagerly "
         f"(an EMA or optimizer step not compiled with the backend: plain low precision), or "
         f"a write such as load_state_dict, fill_ or copy_. Its lo belonged to the old "
-        f"values and restarts from zero. To keep lo across a load use collage_compile.attach "
+        f"values and restarts from zero at the next compiled step, unless an optimizer step "
+        f"is found to have made that write (a warning then says so, and lo is kept: the "
+        f"step updated hi). To keep lo across a load use collage_compile.attach "
         f"or collage_compile.set_value; compile every update with the backend.",
         stacklevel=3,
     )

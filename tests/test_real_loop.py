@@ -202,7 +202,7 @@ def test_fp16_weights_with_dynamic_loss_scaling(compiled):
         torch_scaler.unscale_(torch.optim.SGD(half.parameters(), lr=1e-4))
 
 
-def _in_backward(dtype, compiled, cudagraphs=False, device="cpu"):
+def _in_backward(dtype, compiled, cudagraphs=False, device="cpu", reset_at=None):
     """Five Linear layers (10 parameters, more than Dynamo's recompile limit of 8), one
     AdamW per parameter stepped in its gradient hook as torchtune's ``optimizer_in_bwd``
     does, each with the warmup + cosine schedule, on a fixed stream of gradients: the loss
@@ -224,7 +224,9 @@ def _in_backward(dtype, compiled, cudagraphs=False, device="cpu"):
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
     g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
+    for i in range(STEPS):
+        if i == reset_at:
+            torch._dynamo.reset()  # every graph discarded: each optimizer compiles again
         grads = [
             (1e-2 * torch.randn(p.shape, generator=g)).bfloat16().to(device, dtype) for p in params
         ]
@@ -256,7 +258,8 @@ def test_one_optimizer_per_parameter_stepped_in_backward_is_compensated(device, 
     shared step code, where Dynamo guards each by identity: past its recompile limit (8)
     the rest stepped eagerly, in plain bf16 (named, not compensated).  ``compile_optimizer``
     leaves room under the limit for the optimizers it compiled while one of them steps
-    (``optim._room``): all ten compile once and stay compensated, with no warning.
+    (``optim._room``): all ten compile once and stay compensated, with no warning, also
+    when ``torch._dynamo.reset()`` halfway discards their graphs and all compile again.
     ``replayed``: with ``cudagraphs=True`` each step after the second is a replay of the
     recorded graphs (on a CPU, called without Dynamo, whose guards check every optimizer's
     graphs in turn; on CUDA, each a CUDA graph captured and replayed inside backward, on
@@ -271,7 +274,11 @@ def test_one_optimizer_per_parameter_stepped_in_backward_is_compensated(device, 
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         _, collage, opts = _in_backward(
-            torch.bfloat16, compiled=True, cudagraphs=cudagraphs, device=device
+            torch.bfloat16,
+            compiled=True,
+            cudagraphs=cudagraphs,
+            device=device,
+            reset_at=None if cudagraphs else STEPS // 2,
         )
     assert not [
         str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)
