@@ -203,42 +203,62 @@ def test_fp16_weights_with_dynamic_loss_scaling(compiled):
         torch_scaler.unscale_(torch.optim.SGD(half.parameters(), lr=1e-4))
 
 
-def _in_backward(dtype, compiled, cudagraphs=False, device="cpu", reset_at=None):
+def _per_parameter(dtype=torch.bfloat16, device="cpu", compile=None, attach=False, schedule=True):
     """Five Linear layers (10 parameters, more than Dynamo's recompile limit of 8), one
     AdamW per parameter stepped in its gradient hook as torchtune's ``optimizer_in_bwd``
-    does, each with the warmup + cosine schedule, on a fixed stream of gradients: the loss
-    is linear in the weights, so every run, float64 included, gets the same gradients."""
+    does, each with the warmup + cosine schedule (``schedule``); ``compile``: the options
+    of ``compile_optimizer`` for every optimizer, None for eager; ``attach``: every
+    optimizer and the model.  Returns (model, param -> optimizer, schedules, hooks)."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16) for _ in range(5)]
     model = torch.nn.Sequential(*layers).bfloat16().to(device, dtype)  # one start for all
     params = list(model.parameters())
-    start = [p.detach().double().clone() for p in params]
     opts = {p: torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1) for p in params}
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule) for o in opts.values()]
-    if compiled:
-        for opt in opts.values():
-            collage_compile.compile_optimizer(opt, cudagraphs=cudagraphs)
+    for opt in opts.values():
+        if compile is not None:
+            collage_compile.compile_optimizer(opt, **compile)
+        if attach:
+            collage_compile.attach(opt)
+    if attach:
+        collage_compile.attach(model)
 
     def hook(p):
         opts[p].step()
         opts[p].zero_grad(set_to_none=True)
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-    g = torch.Generator().manual_seed(1)
-    for i in range(STEPS):
+    return model, opts, scheds if schedule else [], handles
+
+
+def _train_in_backward(model, steps, g, scheds=(), reset_at=None):
+    """``steps`` backward passes on a fixed stream of gradients: the loss is linear in the
+    weights, so every run, float64 included, gets the same gradients."""
+    params = list(model.parameters())
+    for i in range(steps):
         if i == reset_at:
             torch._dynamo.reset()  # every graph discarded: each optimizer compiles again
-        grads = [
-            (1e-2 * torch.randn(p.shape, generator=g)).bfloat16().to(device, dtype) for p in params
-        ]
+        grads = [(1e-2 * torch.randn(p.shape, generator=g)).bfloat16().to(p) for p in params]
         sum((p * gr).sum() for p, gr in zip(params, grads)).backward()
         for s in scheds:
             s.step()
+
+
+def _unhook(handles):
     # the hooks hold the parameters in a cycle: torch 2.11 segfaulted collecting such a dead
     # model while a later run's backward compiled (a user keeps one model and its hooks)
     for h in handles:
         h.remove()
-    return start, [collage_compile.value(p).double() for p in params], opts
+
+
+def _in_backward(dtype, compiled, cudagraphs=False, device="cpu", reset_at=None):
+    """:func:`_per_parameter` trained for STEPS steps: (start, values, optimizers)."""
+    options = {"cudagraphs": cudagraphs} if compiled else None
+    model, opts, scheds, handles = _per_parameter(dtype, device, options)
+    start = [p.detach().double().clone() for p in model.parameters()]
+    _train_in_backward(model, STEPS, torch.Generator().manual_seed(1), scheds, reset_at)
+    _unhook(handles)
+    return start, [collage_compile.value(p).double() for p in model.parameters()], opts
 
 
 @pytest.mark.parametrize(
@@ -295,32 +315,6 @@ def test_one_optimizer_per_parameter_stepped_in_backward_is_compensated(device, 
     assert err < 1e-2 and err_plain > 0.3, (err, err_plain)
 
 
-def _in_backward_attached():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(5)]).bfloat16()
-    params = list(model.parameters())
-    opts = [torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1) for p in params]
-    for opt in opts:
-        collage_compile.compile_optimizer(opt)
-        collage_compile.attach(opt)
-    collage_compile.attach(model)
-    by_param = dict(zip(params, opts))
-
-    def hook(p):
-        by_param[p].step()
-        by_param[p].zero_grad(set_to_none=True)
-
-    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-    return model, opts, handles
-
-
-def _train_in_backward(model, steps, g):
-    params = list(model.parameters())
-    for _ in range(steps):
-        grads = [(1e-2 * torch.randn(p.shape, generator=g)).bfloat16() for p in params]
-        sum((p * gr).sum() for p, gr in zip(params, grads)).backward()
-
-
 def test_optimizer_in_backward_resumes_bit_for_bit_from_a_checkpoint():
     """torchtune saves the per-parameter optimizers of optimizer in backward as one state
     dict each.  With every optimizer and the model attached, a run saved at step 10 of 20
@@ -331,27 +325,27 @@ def test_optimizer_in_backward_resumes_bit_for_bit_from_a_checkpoint():
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        model, _, handles = _in_backward_attached()
+        kw = {"compile": {}, "attach": True, "schedule": False}
+        model, _, _, handles = _per_parameter(**kw)
         _train_in_backward(model, 20, torch.Generator().manual_seed(1))
         full = [(p.detach().clone(), state.get_lo(p).clone()) for p in model.parameters()]
-        for h in handles:
-            h.remove()
-        model, opts, handles = _in_backward_attached()
+        _unhook(handles)
+        model, opts, _, handles = _per_parameter(**kw)
         g = torch.Generator().manual_seed(1)
         _train_in_backward(model, 10, g)
         buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opts": [o.state_dict() for o in opts]}, buf)
-        for h in handles:
-            h.remove()
-        model, opts, handles = _in_backward_attached()
+        torch.save(
+            {"model": model.state_dict(), "opts": [o.state_dict() for o in opts.values()]}, buf
+        )
+        _unhook(handles)
+        model, opts, _, handles = _per_parameter(**kw)
         buf.seek(0)
         saved = torch.load(buf)
         model.load_state_dict(saved["model"])
-        for opt, sd in zip(opts, saved["opts"]):
+        for opt, sd in zip(opts.values(), saved["opts"]):
             opt.load_state_dict(sd)
         _train_in_backward(model, 10, g)
-        for h in handles:
-            h.remove()
+        _unhook(handles)
     assert not [
         str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)
     ]
