@@ -24,11 +24,11 @@ from collage_compile.config import CollageConfig
 __all__ = ["GradScaler", "compile_optimizer"]
 
 #: every optimizer compile_optimizer compiled, while it lives -> the count of
-#: ``torch._dynamo.reset()`` calls at its compile or at its last step since one (a reset
-#: discards every graph; see :func:`_room`)
+#: ``torch._dynamo.reset()`` calls when it was last counted in :data:`_since_reset`
 _COMPILED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-#: (len(_COMPILED), resets, how many of them were compiled since the last reset)
-_live = [(-1, -1, 0)]
+#: [resets, optimizers that compiled since that reset, dead ones included: the graphs of
+#: an optimizer that died stay in Dynamo's cache, and count, until a reset]
+_since_reset = [0, 0]
 #: the graphs one optimizer may add to a shared step's code: its step, and a second one
 #: where a guard of the first changes once (the state a first step creates)
 _GRAPHS_PER_OPTIMIZER = 2
@@ -82,7 +82,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     _warn_if_nothing_to_upgrade(optimizer, options)
     names.remember(optimizer)  # its state named in reports
     watch.install()
-    _COMPILED[optimizer] = _compat.dynamo_resets()
+    _count(optimizer, _compat.dynamo_resets())
     whole = options.get("cudagraphs") is True  # the whole step as one replay
     options = _as_compiled(options)
     backend = compiler.make_backend(**options) if options else compiler.backend
@@ -137,26 +137,31 @@ def _room(optimizer: torch.optim.Optimizer) -> Any:
     ``optimizer_in_bwd``), compiles one per parameter.  So, while a step compiled here
     runs, the limit is raised by the graphs the other optimizers compiled here may hold
     (:data:`_GRAPHS_PER_OPTIMIZER` each), only where they would not fit under it: the
-    limit still stops a step that recompiles on its own.  An optimizer takes room from
-    its compile, or since a ``torch._dynamo.reset()`` (which discards every graph) from
-    its next step, when it compiles again.  Plain Inductor's optimizers
+    limit still stops a step that recompiles on its own.  An optimizer is counted from
+    its compile, or after a ``torch._dynamo.reset()`` (which discards every graph) from
+    its next step, when it compiles again; one that died is counted until a reset, since
+    its graphs stay in Dynamo's cache.  Plain Inductor's optimizers
     get no room; one that fills the limit first is still named
     (``tests/test_fallbacks.py -k never_compiles``)."""
     from collage_compile import _compat
 
-    n, limit = len(_COMPILED), _compat.recompile_limit()
-    if _GRAPHS_PER_OPTIMIZER * n <= limit:
+    n = max(len(_COMPILED), _since_reset[1])
+    if _GRAPHS_PER_OPTIMIZER * n <= _compat.recompile_limit():
         return _NO_ROOM
-    resets = _compat.dynamo_resets()
-    if _COMPILED.get(optimizer) != resets:  # its first step since a reset: it compiles
+    _count(optimizer, _compat.dynamo_resets())  # a step after a reset compiles again
+    n = _since_reset[1]
+    if _GRAPHS_PER_OPTIMIZER * n <= _compat.recompile_limit():
+        return _NO_ROOM
+    return _compat.RecompileRoom(_GRAPHS_PER_OPTIMIZER * (n - 1))
+
+
+def _count(optimizer: torch.optim.Optimizer, resets: int) -> None:
+    """Count the optimizer once in :data:`_since_reset` (again after a reset)."""
+    if _since_reset[0] != resets:
+        _since_reset[:] = [resets, 0]
+    if _COMPILED.get(optimizer) != resets:
         _COMPILED[optimizer] = resets
-        _live[0] = (-1, -1, 0)
-    if _live[0][:2] != (n, resets):  # counted again only when either changes
-        _live[0] = (n, resets, sum(r == resets for r in _COMPILED.values()))
-    live = _live[0][2]
-    if _GRAPHS_PER_OPTIMIZER * live <= limit:
-        return _NO_ROOM
-    return _compat.RecompileRoom(_GRAPHS_PER_OPTIMIZER * (live - 1))
+        _since_reset[1] += 1
 
 
 def _refuse_compiling_in_backward(optimizer: torch.optim.Optimizer) -> None:

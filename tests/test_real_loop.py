@@ -214,7 +214,7 @@ def _per_parameter(dtype=torch.bfloat16, device="cpu", compile=None, attach=Fals
     model = torch.nn.Sequential(*layers).bfloat16().to(device, dtype)  # one start for all
     params = list(model.parameters())
     opts = {p: torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1) for p in params}
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule) for o in opts.values()]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule) for o in opts.values() if schedule]
     for opt in opts.values():
         if compile is not None:
             collage_compile.compile_optimizer(opt, **compile)
@@ -228,7 +228,7 @@ def _per_parameter(dtype=torch.bfloat16, device="cpu", compile=None, attach=Fals
         opts[p].zero_grad(set_to_none=True)
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-    return model, opts, scheds if schedule else [], handles
+    return model, opts, scheds, handles
 
 
 def _train_in_backward(model, steps, g, scheds=(), reset_at=None):
@@ -351,3 +351,17 @@ def test_optimizer_in_backward_resumes_bit_for_bit_from_a_checkpoint():
     ]
     resumed = [(p.detach(), state.get_lo(p)) for p in model.parameters()]
     assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la), (b, lb) in zip(full, resumed))
+    # and the run it equals is compensated: float64 and plain bf16 on the same stream
+    runs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        ref_model, _, _, handles = _per_parameter(dtype, schedule=False)
+        start = [p.detach().double().clone() for p in ref_model.parameters()]
+        _train_in_backward(ref_model, 20, torch.Generator().manual_seed(1))
+        _unhook(handles)
+        runs[dtype] = [p.detach().double() for p in ref_model.parameters()]
+    ref = runs[torch.float64]
+    err = max(
+        relative_error(h.double() + lo.double(), r, s) for (h, lo), r, s in zip(full, ref, start)
+    )
+    err_plain = max(relative_error(w, r, s) for w, r, s in zip(runs[torch.bfloat16], ref, start))
+    assert err < 1e-2 and err_plain > 0.3, (err, err_plain)
