@@ -93,16 +93,34 @@ def compile_for_h100(code: str, workdir: str) -> list[tuple[str, int, float]]:
     return out
 
 
+def _combo_args_max() -> int:
+    from collage_compile import _compat
+
+    return _compat.combo_args_max
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12, help="GPT layers, 12 tensors each")
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["plain", "light", "plus"])
+    ap.add_argument(
+        "--max-args",
+        type=int,
+        default=None,
+        help="the most buffers a collage combo kernel may take (the backend's: 350; "
+        "Inductor's own limit: 250)",
+    )
     args = ap.parse_args()
+    if args.max_args is not None:
+        from collage_compile import _compat
+
+        _compat.combo_args_max = args.max_args
     codes = {v: generated_code(v, args.layers, args.width) for v in args.variants}
     print(
         f"Triton compile of the AdamW step's kernels for sm_90 on this CPU, {args.layers * 12} "
-        f"tensors, torch {torch.__version__}, one kernel at a time"
+        f"tensors, torch {torch.__version__}, one kernel at a time, collage's combo kernels "
+        f"at most {_combo_args_max()} buffers"
     )
     print(
         f"{'variant':8} {'kernels':>7} {'launches':>8} {'max ptrs':>8} {'total s':>8} {'longest s':>9}"

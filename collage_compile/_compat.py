@@ -788,6 +788,32 @@ def element_origins() -> Any:
         inductor_graph.gather_origins = gather
 
 
+# the most a Triton combo kernel's buffers grow to here, from Inductor's 250 (see
+# combo_args_patch; ``benchmarks.triton_compile --max-args``)
+combo_args_max = 350
+
+
+def combo_args_patch(tensor_inputs: int, lo_inputs: int) -> dict[str, Any]:
+    """Inductor config: room for each lo in a Triton combo kernel.
+
+    Inductor splits a foreach step's Triton combo kernels at 250 buffers read or written
+    (``combo_kernel_max_num_args``, 2.11 and 2.13); each lo (or exact mode's remainder) is
+    one more read and write, so at that limit light's AdamW over 144 tensors launched 14
+    kernels where plain Inductor launches 10.  The limit grows by the share of buffers the
+    pairs add (AdamW light: 5 tensors a parameter and a lo read and written, 350), up to
+    :data:`combo_args_max` or the limit set, whichever is higher: Triton's compile time of
+    a kernel grows faster than its pointers (sm_90, on a CPU: 166 pointers 3.4 s, 232
+    pointers 5.9 s, 288 pointers 11.8 s; docs/speed.md).  350 buffers are at most 2.8 KB of
+    pointers, within CUDA's 4 KB of kernel parameters.  The C++ path has no combo kernels."""
+    if tensor_inputs <= 0 or lo_inputs <= 0:
+        return {}
+    import torch._inductor.config as inductor_config
+
+    base = inductor_config.combo_kernel_max_num_args
+    grown = base * (tensor_inputs + 2 * lo_inputs) // tensor_inputs
+    return {"combo_kernel_max_num_args": min(grown, max(base, combo_args_max))}
+
+
 def no_input_asserts_patch() -> dict[str, Any]:
     """Inductor config: no ``assert_size_stride`` of every input on every call.
 
@@ -904,7 +930,10 @@ def realize_scalars_pass() -> Any:
     the kernel's scalar prologue and loaded in the loop (same kernel, same fp32 value, no
     numerical change).  A 0-d bool (exact mode's ``step_size == 0``) is computed once the
     same way.  Low-precision 0-d values are left alone (their store would round), and so
-    are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`).
+    are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`) and loops Triton generates:
+    a GPU has no libm call to hoist, and in a foreach combo kernel each realized scalar was
+    one more pointer argument per sub-kernel (light's AdamW at 144 tensors had a widest
+    kernel of 200 pointers to plain Inductor's 166 and one launch more; docs/speed.md).
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -919,13 +948,19 @@ def realize_scalars_pass() -> Any:
             and val.dtype in (torch.float32, torch.float64, torch.bool)
         )
 
+    def cpp_loop(v: torch.Tensor) -> bool:
+        # a loop the C++ backend generates: a Triton kernel (CUDA, or a CPU under
+        # ``cpu_backend="triton"``) has no libm call to hoist, and each realized scalar
+        # would be one more pointer argument for every sub-kernel of its combo kernel
+        return v.device.type == "cpu" and torch._inductor.config.cpu_backend == "cpp"
+
     def large(node: fx.Node) -> bool:
-        # a loop long enough that computing its scalars once beats the 0-d buffer each of
-        # them costs per call on the host (a tiny parameter's loop is one or two vectors)
+        # a C++ loop long enough that computing its scalars once beats the 0-d buffer each
+        # of them costs per call on the host (a tiny parameter's loop is one or two vectors)
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
         for v in vals:
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and cpp_loop(v):
                 n = v.numel()
                 if not isinstance(n, int) or n >= _REALIZE_MIN_NUMEL:
                     return True

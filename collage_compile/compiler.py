@@ -334,8 +334,10 @@ def _compile_analyzed(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
+    tensors = sum(isinstance(t, torch.Tensor) for t in inputs)
+    patches = {**_inductor_patches(config), **_compat.combo_args_patch(tensors, len(with_lo))}
     compiled = _compat.compile_with_inductor(
-        gm, [*inputs, *lo_examples], _inductor_patches(config), config.inductor_cudagraphs
+        gm, [*inputs, *lo_examples], patches, config.inductor_cudagraphs
     )
     out = _LoInputs(
         compiled,

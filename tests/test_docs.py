@@ -44,6 +44,7 @@ ELSEWHERE = {
     "runs it at one layer",
     "python tools/probe_tiles.py": "what it prints is the machine's compiler's; "
     "tests/test_tiles.py checks the backend's answer to it",
+    "python tools/probe_exact.py": "a GPU: exact mode's step against the fp32 step's, in ulps",
     "python tools/replay_all.py": "minutes of compiles; tests/test_replay.py pins the families",
 }
 _COMMAND = re.compile(r"(?:^|`|\$ )(python3? (?:-m [^\s`]+|[^\s`]+\.py)(?: [^`\n]*)?)", re.M)

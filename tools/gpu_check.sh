@@ -83,7 +83,7 @@ run() {
     # leak tests stay, so that interpreted and CUDA tests share workers here
     tests) part 230 tests.log python3 -m pytest -n 12 -q -rfs --tb=short --durations=15 \
         -k "not (under_the_interpreter or equals_the_cpp_path_and_adds or \
-            with_metrics_matches or combo_kernels_within)" tests/test_replay.py \
+            with_metrics_matches or adds_no_combo_kernels)" tests/test_replay.py \
         tests/test_cudagraphs.py \
         tests/test_triton.py tests/test_codegen.py tests/test_host_cost.py \
         tests/test_lifecycle.py tests/test_schedules.py tests/test_fuse.py ;;
