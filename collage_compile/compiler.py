@@ -303,15 +303,55 @@ def _compile_analyzed(
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
-        # a changing float stays an input here too (an fp32 optimizer under a schedule:
-        # one compile per lr filled the recompile limit its bf16 twin shares, a step's code)
-        if any(passes.finalize(gm).values()):
-            gm.recompile()
-            original = gm
-        compiled = _compat.compile_with_inductor(
-            _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
-        )
-        return _LoInputs(compiled, [], unchained) if unchained else compiled
+        return _compile_unrewritten(original, gm, example_inputs, config, unchained)
+    log.debug(
+        "collage: rewriting %d sites in %d chains on %d tensors (%s)",
+        sum(len(c.sites) for c in chains),
+        len(chains),
+        len(upgraded),
+        ", ".join(f"{k}={v}" for k, v in counts.items()),
+    )
+    return _compile_chains(
+        gm, info, chains, upgraded, unsupported, unchained, example_inputs, config
+    )
+
+
+def _compile_unrewritten(
+    original: fx.GraphModule,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+    unchained: list[Accumulator],
+) -> Callable[..., Any]:
+    """A graph with no chain, compiled as plain Inductor would, but for the floats a
+    schedule changes, which stay inputs here too (an fp32 optimizer under a schedule: one
+    compile per lr filled the recompile limit its bf16 twin shares, a step's code); the
+    wrapper still zeroes the lo of a pair on memory it writes (``unchained``)."""
+    from collage_compile import passes
+
+    if any(passes.finalize(gm).values()):
+        gm.recompile()
+        original = gm
+    compiled = _compat.compile_with_inductor(
+        _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
+    )
+    return _LoInputs(compiled, [], unchained) if unchained else compiled
+
+
+def _compile_chains(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    chains: list[Any],
+    upgraded: list[Accumulator],
+    unsupported: list[Any],
+    unchained: list[Accumulator],
+    example_inputs: Sequence[Any],
+    config: CollageConfig,
+) -> _LoInputs:
+    """The graph with its chains rewritten into MCF arithmetic and the lo of each upgraded
+    tensor (those ``chains`` update) an input, compiled by Inductor, in the wrapper that
+    passes the lo."""
+    from collage_compile import passes, rewrite
 
     # tensors carrying a pair that a chain reads whole (an EMA's parameter) pass their lo in
     # too, after the upgraded ones
@@ -326,13 +366,6 @@ def _compile_analyzed(
     inputs, scalars, host = rewrite.capture_inputs(gm, fake_mode, example_inputs, config.cudagraphs)
     gm.graph.lint()
     gm.recompile()
-    log.debug(
-        "collage: rewrote %d sites in %d chains on %d tensors (%s)",
-        sum(len(c.sites) for c in chains),
-        len(chains),
-        len(upgraded),
-        ", ".join(f"{k}={v}" for k, v in counts.items()),
-    )
     lo_examples = [_compat.example_value(acc.lo_node) for acc in with_lo]
     tensors = sum(isinstance(t, torch.Tensor) for t in inputs)
     patches = {**_inductor_patches(config), **_compat.combo_args_patch(tensors, len(with_lo))}

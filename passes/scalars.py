@@ -150,110 +150,176 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
     """Rewrite one consumer; True if rewritten, False if it needs nothing, None if unknown."""
     name = op_name(node)
     target = node.target
-    foreach = str(getattr(target, "__name__", "")).startswith("_foreach_")
-    if foreach:
+    if str(getattr(target, "__name__", "")).startswith("_foreach_"):
         return _rewrite_foreach(graph, node, name, tensors)
     args, kwargs = list(node.args), dict(node.kwargs)
     if name == "pow" and len(args) == 2 and not kwargs:
-        base, exp = args
-        other = exp if is_symbolic_float(base) else base
-        meta = _tensor_meta(other)
-        if meta is None:
-            return None
-        args = [tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args]
-        return _replace(graph, node, torch.pow, tuple(args), {})
+        return _rewrite_pow(graph, node, args, tensors)
     if name in ("add", "sub", "mul", "div", "truediv") and not any(
         is_symbolic_float(v) for v in kwargs.values()
     ):
-        # positional operands of aten arithmetic: torch's own tensorification handles a
-        # float input; arithmetic on one (``grad * -lr``) becomes its mirror, which 2.11's
-        # tensorification would specialize (mirrors_arithmetic), in the op's computation
-        # dtype, as the tensorification casts it
-        if not any(isinstance(a, fx.Node) and mirrors_arithmetic(a) for a in args):
-            return False
-        meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
-        if meta is None:
-            return None
-        node.args = tuple(
-            tensors.get(a, *meta).node if isinstance(a, fx.Node) and mirrors_arithmetic(a) else a
-            for a in args
-        )
-        _keep_dtype(graph, node, meta[1])
-        return True
+        return _rewrite_arithmetic(graph, node, args, tensors)
     if name == "fma" and len(args) == 3 and not kwargs:
-        # Dynamo's addcmul_/addcdiv_ with value=: fma(t, value, self), fused (one rounding)
-        # in Inductor's kernel whether b is a float or a 0-dim tensor of the same value
-        meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
-        if meta is None:
-            return None
-        node.args = tuple(tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args)
-        return True
+        return _rewrite_fma(node, args, tensors)
     if name == "lerp" and len(args) == 3 and is_symbolic_float(args[2]) and not kwargs:
-        # Inductor's lerp decomposition branches on the weight in Python (|w| < 1/2): that
-        # comparison guards on it.  Spelled out in fp32 with one rounding, as eager's first
-        # branch computes it (its other branch, b - (b - a) * (1 - w), can differ in the
-        # last fp32 bit, rarely visible after rounding to bf16)
-        start_meta = _tensor_meta(args[0])
-        ex = _compat.example_value(args[0])
-        if start_meta is None:
-            return None
-        w = tensors.get(args[2], *start_meta)
-        with graph.inserting_before(node):
-            start, end = _proxy(graph, args[0]), _proxy(graph, args[1])
-            f = start_meta[1]
-            new = (start.to(f) + (end.to(f) - start.to(f)) * w).to(ex.dtype)
-            if str(node.target).endswith("lerp_"):
-                new = start.copy_(new)
-        new.node.meta = dict(node.meta)
-        node.replace_all_uses_with(new.node)
-        graph.erase_node(node)
-        return True
+        return _rewrite_lerp(graph, node, args, tensors)
     if name in _ALPHA_OPS and is_symbolic_float(kwargs.get("alpha")) and len(args) == 2:
-        meta = _tensor_meta(args[1])
-        if meta is None:
-            return None
-        alpha = tensors.get(kwargs.pop("alpha"), *meta)
-        with graph.inserting_before(node):
-            scaled = (_proxy(graph, args[1]) * alpha).node
-        node.args = (args[0], scaled)
-        node.kwargs = kwargs
-        return True
+        return _rewrite_alpha(graph, node, args, kwargs, tensors)
     if name in _VALUE_OPS and len(args) in (3, 4):
-        value = args.pop(3) if len(args) == 4 else kwargs.pop("value", None)
-        if not is_symbolic_float(value):
-            return None
-        meta = _tensor_meta(args[1])
-        if meta is None:
-            return None
-        with graph.inserting_before(node):
-            scaled = (_proxy(graph, args[1]) * tensors.get(value, *meta)).node
-        node.args = (args[0], scaled, args[2])
-        node.kwargs = kwargs
-        return True
+        return _rewrite_value(graph, node, args, kwargs, tensors)
     if target in _SCALAR_FACTORIES and len(args) == 1 and is_symbolic_float(args[0]):
-        dtype = kwargs.get("dtype") or torch.get_default_dtype()
-        device = kwargs.get("device")
-        if set(kwargs) - {"dtype", "device", "requires_grad"} or kwargs.get("requires_grad"):
-            return None
-        t64 = tensors.f64(args[0], device)
-        with graph.inserting_before(node):
-            new = graph.call_method("to", (t64, dtype))  # one rounding, as from the float
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        return True
+        return _rewrite_scalar_factory(graph, node, args, kwargs, tensors)
     if target in _FILL_FACTORIES and len(args) == 2 and is_symbolic_float(args[1]):
-        meta = _tensor_meta(node)
-        if meta is None:
-            return None
-        with graph.inserting_before(node):
-            base = graph.call_function(torch.zeros_like, (args[0],), kwargs)
-            new = graph.call_function(operator.add, (base, tensors.get(args[1], *meta).node))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        return True
+        return _rewrite_fill(graph, node, args, kwargs, tensors)
     return None
+
+
+def _rewrite_pow(
+    graph: fx.Graph, node: fx.Node, args: list[Any], tensors: _ScalarTensors
+) -> bool | None:
+    """``beta ** step`` (a float base or exponent): ``torch.pow`` of its tensor."""
+    base, exp = args
+    other = exp if is_symbolic_float(base) else base
+    meta = _tensor_meta(other)
+    if meta is None:
+        return None
+    args = [tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args]
+    return _replace(graph, node, torch.pow, tuple(args), {})
+
+
+def _rewrite_arithmetic(
+    graph: fx.Graph, node: fx.Node, args: list[Any], tensors: _ScalarTensors
+) -> bool | None:
+    """Positional operands of aten arithmetic: torch's own tensorification handles a float
+    input; arithmetic on one (``grad * -lr``) becomes its mirror, which 2.11's
+    tensorification would specialize (mirrors_arithmetic), in the op's computation dtype,
+    as the tensorification casts it."""
+    if not any(isinstance(a, fx.Node) and mirrors_arithmetic(a) for a in args):
+        return False
+    meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
+    if meta is None:
+        return None
+    node.args = tuple(
+        tensors.get(a, *meta).node if isinstance(a, fx.Node) and mirrors_arithmetic(a) else a
+        for a in args
+    )
+    _keep_dtype(graph, node, meta[1])
+    return True
+
+
+def _rewrite_fma(node: fx.Node, args: list[Any], tensors: _ScalarTensors) -> bool | None:
+    """Dynamo's addcmul_/addcdiv_ with value=: fma(t, value, self), fused (one rounding) in
+    Inductor's kernel whether b is a float or a 0-dim tensor of the same value."""
+    meta = next((m for a in args if (m := _tensor_meta(a)) is not None), None)
+    if meta is None:
+        return None
+    node.args = tuple(tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args)
+    return True
+
+
+def _rewrite_lerp(
+    graph: fx.Graph, node: fx.Node, args: list[Any], tensors: _ScalarTensors
+) -> bool | None:
+    """Inductor's lerp decomposition branches on the weight in Python (|w| < 1/2): that
+    comparison guards on it.  Spelled out in fp32 with one rounding, as eager's first
+    branch computes it (its other branch, b - (b - a) * (1 - w), can differ in the last
+    fp32 bit, rarely visible after rounding to bf16)."""
+    start_meta = _tensor_meta(args[0])
+    ex = _compat.example_value(args[0])
+    if start_meta is None:
+        return None
+    w = tensors.get(args[2], *start_meta)
+    with graph.inserting_before(node):
+        start, end = _proxy(graph, args[0]), _proxy(graph, args[1])
+        f = start_meta[1]
+        new = (start.to(f) + (end.to(f) - start.to(f)) * w).to(ex.dtype)
+        if str(node.target).endswith("lerp_"):
+            new = start.copy_(new)
+    new.node.meta = dict(node.meta)
+    node.replace_all_uses_with(new.node)
+    graph.erase_node(node)
+    return True
+
+
+def _rewrite_alpha(
+    graph: fx.Graph,
+    node: fx.Node,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    tensors: _ScalarTensors,
+) -> bool | None:
+    """``add(a, b, alpha=lr)``: ``a + b * lr`` with lr a tensor."""
+    meta = _tensor_meta(args[1])
+    if meta is None:
+        return None
+    alpha = tensors.get(kwargs.pop("alpha"), *meta)
+    with graph.inserting_before(node):
+        scaled = (_proxy(graph, args[1]) * alpha).node
+    node.args = (args[0], scaled)
+    node.kwargs = kwargs
+    return True
+
+
+def _rewrite_value(
+    graph: fx.Graph,
+    node: fx.Node,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    tensors: _ScalarTensors,
+) -> bool | None:
+    """``addcmul(a, b, c, value=v)`` (or addcdiv): ``b * v`` with v a tensor, then the op."""
+    value = args.pop(3) if len(args) == 4 else kwargs.pop("value", None)
+    if not is_symbolic_float(value):
+        return None
+    meta = _tensor_meta(args[1])
+    if meta is None:
+        return None
+    with graph.inserting_before(node):
+        scaled = (_proxy(graph, args[1]) * tensors.get(value, *meta)).node
+    node.args = (args[0], scaled, args[2])
+    node.kwargs = kwargs
+    return True
+
+
+def _rewrite_scalar_factory(
+    graph: fx.Graph,
+    node: fx.Node,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    tensors: _ScalarTensors,
+) -> bool | None:
+    """``torch.tensor(lr)``: the float's float64 tensor, rounded once to the dtype."""
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    device = kwargs.get("device")
+    if set(kwargs) - {"dtype", "device", "requires_grad"} or kwargs.get("requires_grad"):
+        return None
+    t64 = tensors.f64(args[0], device)
+    with graph.inserting_before(node):
+        new = graph.call_method("to", (t64, dtype))  # one rounding, as from the float
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
+
+
+def _rewrite_fill(
+    graph: fx.Graph,
+    node: fx.Node,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    tensors: _ScalarTensors,
+) -> bool | None:
+    """``full_like(t, lr)``: zeros like ``t`` plus the float's tensor."""
+    meta = _tensor_meta(node)
+    if meta is None:
+        return None
+    with graph.inserting_before(node):
+        base = graph.call_function(torch.zeros_like, (args[0],), kwargs)
+        new = graph.call_function(operator.add, (base, tensors.get(args[1], *meta).node))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
 
 
 def _rewrite_foreach(
