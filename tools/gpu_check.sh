@@ -10,9 +10,11 @@
 #                                               # device), light's synced ratio with the
 #                                               # example's AdamW, 315M with the replay's
 #                                               # gradient copy
-#   bash tools/gpu_check.sh suite_quick         # call 2, at once: the whole suite, 16
-#                                               # workers, stopped at 270 s (pytest then
-#                                               # still reports what ran and failed)
+#   bash tools/gpu_check.sh probe suite_quick   # call 2, at once: exact mode against the
+#                                               # fp32 step since its Triton loops compute
+#                                               # the scalars inline (33 s), then the whole
+#                                               # suite, 16 workers, stopped at 270 s (pytest
+#                                               # then still reports what ran and failed)
 #   bash tools/gpu_check.sh step                # a later session: --size gpu
 # Each part has its own time limit (SIGINT first: pytest then still reports its failures),
 # so a part that runs long costs only its own figures; parts.txt says how each ended.
