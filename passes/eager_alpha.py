@@ -87,82 +87,87 @@ def run(gm: fx.GraphModule) -> int:
     persistent = _persistent_storages(graph)
     n = 0
     for node in list(graph.nodes):
-        sign = None
         if node.op == "call_method" and node.target in _ADD_SUB:
-            sign = _ADD_SUB[node.target]
-        elif node.op == "call_function" and node.target in _FUNCTIONS:
-            sign = _FUNCTIONS[node.target]
-        if sign is not None:
-            alpha = _alpha(node)
-            dtype = _lowp(node)
-            if dtype is None or alpha == 1 or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
-                continue
-            if not isinstance(alpha, (int, float)):
-                continue
-            with graph.inserting_before(node):
-                new = _spelled_out(
-                    proxy(node.args[0]), proxy(node.args[1]), alpha, sign, dtype, _device(node)
-                ).node
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            n += 1
+            n += _rewrite_binary(graph, node, _ADD_SUB[node.target], proxy)
+        elif node.op != "call_function":
             continue
-        if node.op == "call_function" and node.target in _FOREACH:
-            alpha = _alpha(node)
-            if alpha == 1 or not isinstance(alpha, (int, float)) or len(node.args) != 2:
-                continue
-            xs, ys = node.args
-            if not isinstance(xs, (list, tuple)) or not isinstance(ys, (list, tuple)):
-                continue
-            if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
-                continue
-            dtypes = [_lowp(x) for x in xs]
-            if any(d is None for d in dtypes):
-                continue
-            with graph.inserting_before(node):
-                items = [
-                    _spelled_out(
-                        proxy(x), proxy(y), alpha, _FOREACH[node.target], d, _device(x)
-                    ).node
-                    for x, y, d in zip(xs, ys, dtypes)
-                ]
-            for user in list(node.users):
-                item = items[user.args[1]]
-                item.meta = dict(user.meta)
-                user.replace_all_uses_with(item)
-                graph.erase_node(user)
-            graph.erase_node(node)
-            n += len(items)
-            continue
-        if node.op == "call_function" and node.target in _FOREACH_INPLACE:
-            # in place on temporaries only (nesterov's grads += momentum * buf); a write to a
-            # persistent tensor is an accumulation and belongs to the pattern families
-            alpha = _alpha(node)
-            if (
-                alpha == 1
-                or not isinstance(alpha, (int, float))
-                or len(node.args) != 2
-                or node.users
-            ):
-                continue
-            xs, ys = node.args
-            if not isinstance(xs, (list, tuple)) or not isinstance(ys, (list, tuple)):
-                continue
-            dtypes = [_lowp(x) for x in xs]
-            if any(d is None for d in dtypes) or any(_storage(x) in persistent for x in xs):
-                continue
-            with graph.inserting_before(node):
-                for x, y, d in zip(xs, ys, dtypes):
-                    px = proxy(x)
-                    px.copy_(
-                        _spelled_out(
-                            px, proxy(y), alpha, _FOREACH_INPLACE[node.target], d, _device(x)
-                        )
-                    )
-            graph.erase_node(node)
-            n += len(xs)
+        elif node.target in _FUNCTIONS:
+            n += _rewrite_binary(graph, node, _FUNCTIONS[node.target], proxy)
+        elif node.target in _FOREACH:
+            n += _rewrite_foreach(graph, node, proxy)
+        elif node.target in _FOREACH_INPLACE:
+            n += _rewrite_foreach_inplace(graph, node, proxy, persistent)
     return n
+
+
+def _rewrite_binary(graph: fx.Graph, node: fx.Node, sign: float, proxy: Any) -> int:
+    """``a.add(b, alpha=c)`` / ``torch.sub(a, b, alpha=c)`` on a low-precision tensor."""
+    alpha = _alpha(node)
+    dtype = _lowp(node)
+    if dtype is None or alpha == 1 or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return 0
+    if not isinstance(alpha, (int, float)):
+        return 0
+    with graph.inserting_before(node):
+        new = _spelled_out(
+            proxy(node.args[0]), proxy(node.args[1]), alpha, sign, dtype, _device(node)
+        ).node
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return 1
+
+
+def _rewrite_foreach(graph: fx.Graph, node: fx.Node, proxy: Any) -> int:
+    """``torch._foreach_add(xs, ys, alpha=c)``, every item read through ``getitem``."""
+    alpha = _alpha(node)
+    if alpha == 1 or not isinstance(alpha, (int, float)) or len(node.args) != 2:
+        return 0
+    xs, ys = node.args
+    if not isinstance(xs, (list, tuple)) or not isinstance(ys, (list, tuple)):
+        return 0
+    if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
+        return 0
+    dtypes = [_lowp(x) for x in xs]
+    if any(d is None for d in dtypes):
+        return 0
+    sign = _FOREACH[node.target]
+    with graph.inserting_before(node):
+        items = [
+            _spelled_out(proxy(x), proxy(y), alpha, sign, d, _device(x)).node
+            for x, y, d in zip(xs, ys, dtypes)
+        ]
+    for user in list(node.users):
+        item = items[user.args[1]]
+        item.meta = dict(user.meta)
+        user.replace_all_uses_with(item)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return len(items)
+
+
+def _rewrite_foreach_inplace(
+    graph: fx.Graph, node: fx.Node, proxy: Any, persistent: set[Any]
+) -> int:
+    """``torch._foreach_add_(xs, ys, alpha=c)`` in place on temporaries only (nesterov's
+    grads += momentum * buf); a write to a persistent tensor is an accumulation and
+    belongs to the pattern families."""
+    alpha = _alpha(node)
+    if alpha == 1 or not isinstance(alpha, (int, float)) or len(node.args) != 2 or node.users:
+        return 0
+    xs, ys = node.args
+    if not isinstance(xs, (list, tuple)) or not isinstance(ys, (list, tuple)):
+        return 0
+    dtypes = [_lowp(x) for x in xs]
+    if any(d is None for d in dtypes) or any(_storage(x) in persistent for x in xs):
+        return 0
+    sign = _FOREACH_INPLACE[node.target]
+    with graph.inserting_before(node):
+        for x, y, d in zip(xs, ys, dtypes):
+            px = proxy(x)
+            px.copy_(_spelled_out(px, proxy(y), alpha, sign, d, _device(x)))
+    graph.erase_node(node)
+    return len(xs)
 
 
 def _storage(node: Any) -> Any:
