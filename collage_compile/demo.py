@@ -796,6 +796,63 @@ def main(argv: Sequence[str] | None = None) -> None:
     run(argv)
 
 
+def _header(s: Settings, n_params: int, data_desc: str) -> str:
+    return (
+        f"byte-level GPT, {n_params / 1e6:.2f}M params ({s.n_layer} layers, {s.n_embd} wide, "
+        f"{s.n_head} heads, context {s.block_size}), bf16 weights at GPT-2 init scale (0.02)\n"
+        f"AdamW lr={s.lr:g} ({_describe_schedule(s)}), betas=({s.beta1:g}, {s.beta2:g}), "
+        f"weight_decay={s.weight_decay:g}; {s.steps} steps of {s.batch_size}x{s.block_size} "
+        f"bytes, seed {s.seed}, {s.device}, torch {torch.__version__}\n"
+        f"data: {data_desc}"
+    )
+
+
+def _notes(s: Settings) -> list[str]:
+    """What the table's columns mean, printed under it."""
+    notes = []
+    if s.metrics:
+        notes.append(
+            f"EDQ: share of each update the optimizer's value received (hi + lo; plain bf16: "
+            f"its weights); EDQ hi: the same for the bf16 weights the forward pass uses; "
+            f"imprecision: share of weights whose bf16 value did not move although their "
+            f"update was non-zero. Means over one step in {max(1, s.eval_every // 4)}, "
+            f"measured inside the compiled step on those steps alone (metrics=True, "
+            f"every='metered'); fp32-master's are measured on its bf16 copy against the "
+            f"masters' change."
+        )
+    notes.append(
+        "ms/step: train step (forward, backward, optimizer), opt ms/step: optimizer step "
+        "alone; 20th percentile over the steps after the first 3 (medians in the JSON)."
+    )
+    notes.append(
+        "bytes/param: persistent tensors (bf16 params, fp32 masters, AdamW m and v and step, "
+        "lo or remainders), counted from the tensors. peak memory: CUDA only "
+        "(torch.cuda.max_memory_allocated)."
+    )
+    return notes
+
+
+def _write(
+    out: Path,
+    result: dict[str, Any],
+    header: str,
+    s: Settings,
+    results: list[dict[str, Any]],
+    total: float,
+) -> None:
+    """The JSON, and the plot where matplotlib is installed."""
+    (out / "train_gpt.json").write_text(json.dumps(result, indent=1, allow_nan=False))
+    png = out / "train_gpt.png"
+    title = header.split("\n")[0] + f"; AdamW lr={s.lr:g}, β2={s.beta2:g}, {s.steps} steps"
+    if plot(results, png, title):
+        print(f"wrote {png} and {out / 'train_gpt.json'} ({total:.0f} s)")
+    else:
+        print(
+            f"wrote {out / 'train_gpt.json'} ({total:.0f} s); no PNG: matplotlib is not "
+            "installed (pip install 'collage-compile[demo]')"
+        )
+
+
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the demo; returns everything written to the JSON."""
     args = parse_args(argv)
@@ -818,14 +875,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(s.seed)
     init = {k: v.to(torch.bfloat16) for k, v in GPT(**model_args).state_dict().items()}
     n_params = sum(v.numel() for k, v in init.items() if k != "lm_head.weight")
-    header = (
-        f"byte-level GPT, {n_params / 1e6:.2f}M params ({s.n_layer} layers, {s.n_embd} wide, "
-        f"{s.n_head} heads, context {s.block_size}), bf16 weights at GPT-2 init scale (0.02)\n"
-        f"AdamW lr={s.lr:g} ({_describe_schedule(s)}), betas=({s.beta1:g}, {s.beta2:g}), "
-        f"weight_decay={s.weight_decay:g}; {s.steps} steps of {s.batch_size}x{s.block_size} "
-        f"bytes, seed {s.seed}, {s.device}, torch {torch.__version__}\n"
-        f"data: {data_desc}"
-    )
+    header = _header(s, n_params, data_desc)
     print(header, flush=True)
     print(
         "Regime chosen so that precision matters: a small learning rate against weights "
@@ -839,27 +889,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     total = time.perf_counter() - t0
 
     text = table(results)
-    notes = []
-    if s.metrics:
-        notes.append(
-            f"EDQ: share of each update the optimizer's value received (hi + lo; plain bf16: "
-            f"its weights); EDQ hi: the same for the bf16 weights the forward pass uses; "
-            f"imprecision: share of weights whose bf16 value did not move although their "
-            f"update was non-zero. Means over one step in {max(1, s.eval_every // 4)}, "
-            f"measured inside the compiled step on those steps alone (metrics=True, "
-            f"every='metered'); fp32-master's are measured on its bf16 copy against the "
-            f"masters' change."
-        )
-    notes.append(
-        "ms/step: train step (forward, backward, optimizer), opt ms/step: optimizer step "
-        "alone; 20th percentile over the steps after the first 3 (medians in the JSON)."
-    )
-    notes.append(
-        "bytes/param: persistent tensors (bf16 params, fp32 masters, AdamW m and v and step, "
-        "lo or remainders), counted from the tensors. peak memory: CUDA only "
-        "(torch.cuda.max_memory_allocated)."
-    )
-    print("\n" + text + "\n" + "\n".join(notes), flush=True)
+    print("\n" + text + "\n" + "\n".join(_notes(s)), flush=True)
 
     result = {
         "settings": dataclasses.asdict(s),
@@ -873,16 +903,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "results": results,
     }
     result = _finite(result)
-    (out / "train_gpt.json").write_text(json.dumps(result, indent=1, allow_nan=False))
-    png = out / "train_gpt.png"
-    title = header.split("\n")[0] + f"; AdamW lr={s.lr:g}, β2={s.beta2:g}, {s.steps} steps"
-    if plot(results, png, title):
-        print(f"wrote {png} and {out / 'train_gpt.json'} ({total:.0f} s)")
-    else:
-        print(
-            f"wrote {out / 'train_gpt.json'} ({total:.0f} s); no PNG: matplotlib is not "
-            "installed (pip install 'collage-compile[demo]')"
-        )
+    _write(out, result, header, s, results, total)
     return result
 
 
