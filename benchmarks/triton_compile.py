@@ -108,8 +108,8 @@ def main() -> None:
         "--max-args",
         type=int,
         default=None,
-        help="the most buffers a collage combo kernel may take (the backend's: 350; "
-        "Inductor's own limit: 250)",
+        help="the most buffers a collage combo kernel may grow to (the backend's: 350; "
+        "a value under Inductor's own limit, 250, keeps 250)",
     )
     args = ap.parse_args()
     if args.max_args is not None:

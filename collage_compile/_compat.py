@@ -898,7 +898,7 @@ def bounded_inlining_patch() -> dict[str, Any]:
 
 def scalar_prologue_patch() -> dict[str, Any]:
     """Inductor config for a rewritten optimizer graph: :func:`realize_scalars_pass`, so
-    the step's fp32 scalars are computed once per kernel instead of once per vector.
+    the step's fp32 scalars are computed once per C++ kernel instead of once per vector.
 
     Inductor's own ``realize_opcount_threshold`` is left alone: materializing the chain's
     shared values (threshold 8) also leaves loop bodies without a low-precision load,
@@ -932,8 +932,9 @@ def realize_scalars_pass() -> Any:
     same way.  Low-precision 0-d values are left alone (their store would round), and so
     are loops under 1024 elements (:data:`_REALIZE_MIN_NUMEL`) and loops Triton generates:
     a GPU has no libm call to hoist, and in a foreach combo kernel each realized scalar was
-    one more pointer argument per sub-kernel (light's AdamW at 144 tensors had a widest
-    kernel of 200 pointers to plain Inductor's 166 and one launch more; docs/speed.md).
+    one more pointer argument per sub-kernel (light's AdamW at 144 tensors, at 250
+    buffers: a widest kernel of 200 pointers to plain Inductor's 166, and 15 launches
+    where inline scalars make 14; docs/speed.md).
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 

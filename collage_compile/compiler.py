@@ -491,8 +491,8 @@ def _graph_metrics(measured: list[tuple[Accumulator, Any]]) -> GraphMetrics | No
 def _inductor_patches(config: CollageConfig) -> dict[str, Any]:
     """Inductor config for a rewritten graph.
 
-    The MCF roundings never depend on it (they are fp32 arithmetic).  The step's fp32
-    scalars are computed once per kernel (:func:`_compat.scalar_prologue_patch`).
+    The MCF roundings never depend on it (they are fp32 arithmetic).  In C++ loops the
+    step's fp32 scalars are computed once per kernel (:func:`_compat.scalar_prologue_patch`).
     ``"storage"`` arithmetic is a long sequence of error-free transformations whose reused
     intermediates make Inductor's inlining exponential (minutes for one SGD step), so there
     Inductor materializes them early (:func:`_compat.bounded_inlining_patch`; the scheduler

@@ -98,11 +98,11 @@ def compile_exact(
     gm.graph.lint()
     gm.recompile()
     rem_examples = [_compat.example_value(a.lo_node) for a in with_rem]
-    tensors = sum(isinstance(t, torch.Tensor) for t in inputs)
+    n_tensors = sum(isinstance(t, torch.Tensor) for t in inputs)
     patches = {
         **_compat.scalar_prologue_patch(),
         **_compat.no_input_asserts_patch(),
-        **_compat.combo_args_patch(tensors, len(rem_examples)),
+        **_compat.combo_args_patch(n_tensors, len(rem_examples)),
     }
     compiled = _compat.compile_with_inductor(
         gm, [*inputs, *rem_examples], patches, config.inductor_cudagraphs

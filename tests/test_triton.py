@@ -328,3 +328,15 @@ def test_light_adds_no_combo_kernels_to_plain_inductors_step(interpreted_triton)
     assert plain[1] <= 250 and max(light[1], plus[1]) <= 350
     assert light[2] == plain[2] + 2 * 48  # each sub-kernel: plain's pointers, its lo in and out
     _assert_bitwise_equal(cpp, triton)
+
+
+def test_combo_args_grow_by_the_pairs_share_up_to_the_cap():
+    import torch._inductor.config as inductor_config
+
+    patch = _compat.combo_args_patch
+    assert patch(0, 3) == {} and patch(10, 0) == {}
+    assert patch(240, 96) == {"combo_kernel_max_num_args": 350}  # AdamW light, 48 tensors
+    assert patch(100, 10) == {"combo_kernel_max_num_args": 300}
+    assert patch(100, 100) == {"combo_kernel_max_num_args": _compat.combo_args_max}
+    with inductor_config.patch(combo_kernel_max_num_args=1000):  # a user's own, higher limit
+        assert patch(100, 100) == {"combo_kernel_max_num_args": 1000}
