@@ -118,6 +118,40 @@ def test_fp16_rounding_uses_the_fp16_split():
     assert "8192.0" in src and veltkamp_roundings(src) >= len(ps)
 
 
+def loop_bodies(code: str, numel: int) -> list[str]:
+    """The bodies of the C++ loops that run over ``numel`` elements (brace-matched)."""
+    bodies, lines = [], code.splitlines()
+    head = f"<static_cast<int64_t>({numel}L);"
+    for i, line in enumerate(lines):
+        if not (line.lstrip().startswith("for(") and head in line):
+            continue
+        depth, body = 0, []
+        for inner in lines[i + 1 :]:
+            depth += inner.count("{") - inner.count("}")
+            body.append(inner)
+            if depth <= 0:
+                break
+        bodies.append("\n".join(body))
+    return bodies
+
+
+def test_cpp_loops_load_the_steps_scalars_instead_of_computing_them_per_vector():
+    """AdamW's ``1 - beta2**step`` and its square root are computed once per kernel, not
+    by a ``pow``/``sqrt`` libm call in every vector of a long C++ loop
+    (``_compat.realize_scalars_pass``; a libm call spills the MCF chain's live vector
+    registers).  The loop loads them instead; the numerics tests check the values."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 64, generator=g).bfloat16())]
+    ps[0].grad = torch.randn_like(ps[0]) * 1e-3
+    _, code = _compat.run_and_get_kernel_code(_step("adamw", ps, collage_compile.backend))
+    src = "\n".join(code)
+    bodies = loop_bodies(src, 64 * 64)
+    assert bodies and "std::pow(" in src  # the scalars, computed outside the loop
+    for body in bodies:
+        assert not re.search(r"\bpow\(|std::sqrt\(", body), body
+        assert "65536.0" in body  # the loop is the MCF chain's
+
+
 # Triton: on a CUDA GPU where there is one, else Triton's interpreter on the CPU with a GPU's
 # bf16 rounding (the ``triton_device`` fixture, tests/triton_interp.py)
 

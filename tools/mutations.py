@@ -365,6 +365,10 @@ def _apply(name):
         from collage_compile import _compat
 
         _compat.float_guards = lambda fake: []
+    elif name == "scalars_inline":  # C++ loops compute the step's scalars per vector
+        from collage_compile import _compat
+
+        _compat.scalar_prologue_patch = lambda: {}
     else:
         raise SystemExit(f"unknown MUT={name}")
     print(f"\n*** mutation applied: {name}")
