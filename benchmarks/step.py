@@ -554,19 +554,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = _jobs(args)
     cold = _cold_compiles(args, [v.name for v in variants if v.compiled], jobs)
     for v in variants:
-        compile_variant(v, args.device)
-        if v.name in cold:  # compiled cold in a process of its own; here from the cache
-            v.compile_here_s = v.compile_s
-            v.compile_s, v.kernels, v.loops = (cold[v.name][k] for k in COLD_KEYS)
-        v.peak_bytes = peak_during_step(v, args.device)
-        v.step()  # a replayed step is captured at its third call: before the timing
-        whole = getattr(v.step, "whole_step", None)
-        if whole is not None and whole.plan is None:
-            print(f"{v.name}: not replayed ({whole.refused})", file=sys.stderr)
-        here = f" (here, from the cache: {v.compile_here_s:.1f} s)" if v.name in cold else ""
-        print(f"compiled {v.name}: {v.compile_s or 0:.1f} s{here}", file=sys.stderr, flush=True)
-        if args.new_grads:
-            v.step = _with_new_grads(v.step, v.params)
+        _prepare(v, args, cold)
+    copy_gbs = _measure(variants, n, args)
+    return {
+        "command": "python -m benchmarks.step " + " ".join(sys.argv[1:]),
+        "device": args.device,
+        "machine": _machine(args.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": n,
+        "tensors": len(shapes),
+        "foreach": args.foreach,
+        "adamw": hyper.describe(),
+        "new_grads": args.new_grads,
+        "rounds": args.rounds,
+        "jobs": jobs if cold else 1,
+        "compile": (
+            f"cold, each variant in a process of its own, {jobs} at a time"
+            if cold
+            else "cold, one variant after another in this process"
+        ),
+        "steps_per_sample": args.steps,
+        "clock": "thread CPU time" if args.clock == "cpu" else "wall",
+        "copy_GBps": copy_gbs,
+        "rows": _rows(variants, n, copy_gbs),
+    }
+
+
+def _prepare(v: Variant, args: argparse.Namespace, cold: dict[str, Any]) -> None:
+    """Compile ``v`` (from the cache where ``cold`` compiled it in a process of its own),
+    record its peak memory, and take the calls a replayed step needs before its capture."""
+    compile_variant(v, args.device)
+    if v.name in cold:  # compiled cold in a process of its own; here from the cache
+        v.compile_here_s = v.compile_s
+        v.compile_s, v.kernels, v.loops = (cold[v.name][k] for k in COLD_KEYS)
+    v.peak_bytes = peak_during_step(v, args.device)
+    v.step()  # a replayed step is captured at its third call: before the timing
+    whole = getattr(v.step, "whole_step", None)
+    if whole is not None and whole.plan is None:
+        print(f"{v.name}: not replayed ({whole.refused})", file=sys.stderr)
+    here = f" (here, from the cache: {v.compile_here_s:.1f} s)" if v.name in cold else ""
+    print(f"compiled {v.name}: {v.compile_s or 0:.1f} s{here}", file=sys.stderr, flush=True)
+    if args.new_grads:
+        v.step = _with_new_grads(v.step, v.params)
+
+
+def _measure(variants: list[Variant], n: int, args: argparse.Namespace) -> float:
+    """Time every variant in interleaved rounds (``v.samples``: back to back; ``v.synced``:
+    one step between two synchronizations) beside a copy of ``n`` fp32 values; the copy's
+    bandwidth in GB/s."""
     copy_fn, copy_bytes = copy_bandwidth_step(n, args.device)
     copy_fn()
     copy_samples: list[float] = []
@@ -598,10 +634,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for v in variants:
             v.samples.append(timed(v.step))
             v.synced.append(timed_alone(v.step))
+    return copy_bytes / statistics.median(copy_samples) / 1e9
 
-    copy_gbs = copy_bytes / statistics.median(copy_samples) / 1e9
+
+def _rows(variants: list[Variant], n: int, copy_gbs: float) -> list[dict[str, Any]]:
+    """One row per variant: its median times and their ratios to the baselines."""
     med = {v.name: statistics.median(v.samples) for v in variants}
     alone = {v.name: statistics.median(v.synced) for v in variants}
+    fused, fused16 = FUSED32 in med, FUSED16 in med
     rows = []
     for v in variants:
         t = med[v.name]
@@ -612,13 +652,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "variant": v.name,
                 "ms_per_step": t * 1e3,
                 "ns_per_param": t * 1e9 / n,
-                "vs_fp32_master": t / med["fp32 master (16,32)"],
+                "vs_fp32_master": t / med[MASTER],
                 "vs_plain_bf16": t / med["plain bf16"],
-                "vs_fused_fp32": t / med[FUSED32] if FUSED32 in med else None,
-                "vs_fused_bf16": t / med[FUSED16] if FUSED16 in med else None,
+                "vs_fused_fp32": t / med[FUSED32] if fused else None,
+                "vs_fused_bf16": t / med[FUSED16] if fused16 else None,
                 "synced_ms": alone[v.name] * 1e3,
-                "synced_vs_fused_fp32": alone[v.name] / alone[FUSED32] if FUSED32 in med else None,
-                "synced_vs_fused_bf16": alone[v.name] / alone[FUSED16] if FUSED16 in med else None,
+                "synced_vs_fused_fp32": alone[v.name] / alone[FUSED32] if fused else None,
+                "synced_vs_fused_bf16": alone[v.name] / alone[FUSED16] if fused16 else None,
                 "floor_bytes_per_param": v.floor,
                 "floor_GBps": gbs,
                 "of_copy_bandwidth": gbs / copy_gbs if gbs else None,
@@ -630,29 +670,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "loops": v.loops,
             }
         )
-    return {
-        "command": "python -m benchmarks.step " + " ".join(sys.argv[1:]),
-        "device": args.device,
-        "machine": _machine(args.device),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "params": n,
-        "tensors": len(shapes),
-        "foreach": args.foreach,
-        "adamw": hyper.describe(),
-        "new_grads": args.new_grads,
-        "rounds": args.rounds,
-        "jobs": jobs if cold else 1,
-        "compile": (
-            f"cold, each variant in a process of its own, {jobs} at a time"
-            if cold
-            else "cold, one variant after another in this process"
-        ),
-        "steps_per_sample": args.steps,
-        "clock": "thread CPU time" if args.clock == "cpu" else "wall",
-        "copy_GBps": copy_gbs,
-        "rows": rows,
-    }
+    return rows
 
 
 def _hyper(args: argparse.Namespace) -> Hyper:
