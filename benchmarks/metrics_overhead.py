@@ -25,6 +25,8 @@ import resource
 import statistics
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ from collage_compile import _compat
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+MODES = ("light", "plus", "off")
 SIZES = {
     # (layers, width): a GPT block is qkv (w, 3w), proj (w, w), fc (w, 4w), fc2 (4w, w),
     # their biases and two LayerNorms
@@ -84,6 +87,21 @@ def count_code(code: list[str]) -> tuple[int, int]:
 
 
 def main() -> None:
+    args = _parse()
+    # nine AdamW instances share torch.optim's step code: Dynamo's limit of 8 graphs per
+    # code object would leave the last ones eager (docs/limits.md)
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = layer_shapes(*SIZES[args.size])
+    variants = _variants(args.every)
+    steps, info = _compile(variants, shapes, args)
+    samples, faults = _time(variants, steps, args)
+    _report(variants, info, samples, faults, shapes, args)
+
+
+def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=SIZES, default="small")
     ap.add_argument("--device", default="cpu")
@@ -98,27 +116,29 @@ def main() -> None:
         help="cpu: this thread's CPU time (with --threads 1 all the work is on this thread; "
         "robust to other jobs on a shared machine)",
     )
-    args = ap.parse_args()
-    # nine AdamW instances share torch.optim's step code: Dynamo's limit of 8 graphs per
-    # code object would leave the last ones eager (docs/limits.md)
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 1024
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    return ap.parse_args()
 
-    shapes = layer_shapes(*SIZES[args.size])
-    n = sum(torch.Size(s).numel() for s in shapes)
-    variants = {}
-    for mode in ("light", "plus", "off"):
+
+def _variants(every: int) -> dict[str, dict[str, Any]]:
+    """Per mode: the step, with metrics every step, every ``every`` steps, and compiled again
+    without them; name -> :func:`collage_compile.make_backend` options."""
+    variants: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
         variants[mode] = dict(mode=mode)
         variants[f"{mode}+metrics"] = dict(mode=mode, metrics=True)
-        variants[f"{mode}+metrics/{args.every}"] = dict(mode=mode, metrics=True, every=args.every)
+        variants[f"{mode}+metrics/{every}"] = dict(mode=mode, metrics=True, every=every)
         # the same step compiled once more without metrics: what this comparison reads
         # when nothing differs (the machine's noise)
         variants[f"{mode} again"] = dict(mode=mode)
+    return variants
+
+
+def _compile(
+    variants: dict[str, dict[str, Any]], shapes: list[tuple[int, ...]], args: argparse.Namespace
+) -> tuple[dict[str, Callable[[], Any]], dict[str, tuple[float, int, int]]]:
+    """Each variant's compiled step, and its (compile seconds, kernels, loops)."""
     steps, info = {}, {}
-    for mode in ("light", "plus", "off"):
+    for mode in MODES:
         # the variants of a mode step the same parameters, pairs and optimizer state (the
         # metrics change no update): a copy of its own for each would put each variant's
         # 16M parameters elsewhere in memory, which alone moved a step by 10 %
@@ -134,6 +154,16 @@ def main() -> None:
             _, code = _compat.run_and_keep_kernel_code(steps[name])
             sync(args.device)
             info[name] = (time.perf_counter() - t0, *count_code(code))
+    return steps, info
+
+
+def _time(
+    variants: dict[str, dict[str, Any]],
+    steps: dict[str, Callable[[], Any]],
+    args: argparse.Namespace,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant, the seconds and minor page faults per step of each round."""
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     samples: dict[str, list[float]] = {name: [] for name in variants}
     faults: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
@@ -148,8 +178,13 @@ def main() -> None:
             sync(args.device)
             samples[name].append((clock() - t0) / args.every)
             faults[name].append((minor_faults() - f0) / args.every)
-    med = {name: statistics.median(v) for name, v in samples.items()}
+    return samples, faults
 
+
+def _report(variants, info, samples, faults, shapes, args) -> None:
+    """The table of medians, then each mode's metrics overhead as ratios per round."""
+    n = sum(torch.Size(s).numel() for s in shapes)
+    med = {name: statistics.median(v) for name, v in samples.items()}
     print(
         f"AdamW step, {n / 1e6:.2f}M bf16 params in {len(shapes)} tensors, "
         f"foreach={args.foreach}, {args.device}, torch {torch.__version__}, "
@@ -171,7 +206,7 @@ def main() -> None:
         return statistics.median(v / b for v, b in zip(samples[name], samples[base]))
 
     k = args.every
-    for mode in ("light", "plus", "off"):
+    for mode in MODES:
         every_step = overhead(mode + "+metrics", mode)
         print(
             f"overhead of metrics, {mode}: every step {every_step:.3f}x, "
