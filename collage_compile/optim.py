@@ -66,6 +66,27 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     if getattr(optimizer.step, "_collage_compiled", False):
         _same_options(optimizer, options)
         return optimizer
+    _refuse_untraceable(optimizer)
+    _warn_if_nothing_to_upgrade(optimizer, options)
+    names.remember(optimizer)  # its state named in reports
+    watch.install()
+    _count(optimizer, _compat.dynamo_resets())
+    whole = options.get("cudagraphs") is True  # the whole step as one replay
+    options = _as_compiled(options)
+    backend = compiler.make_backend(**options) if options else compiler.backend
+    compiled = torch.compile(optimizer.step, backend=backend)
+    if whole:
+        compiled = replay.WholeStep(optimizer, compiled)
+    if options.get("mode") != "off":
+        watch.expect_compiled(optimizer)
+        checkpoint.guard(optimizer)
+    _install(optimizer, compiled, options, whole)
+    return optimizer
+
+
+def _refuse_untraceable(optimizer: torch.optim.Optimizer) -> None:
+    """A ``ValueError`` for a step no backend can compile as the user runs it: a fused
+    kernel, or LBFGS's closure called many times."""
     fused = [i for i, g in enumerate(optimizer.param_groups) if g.get("fused")]
     if fused:
         raise ValueError(
@@ -79,17 +100,13 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             "compile_optimizer runs a closure once, before the compiled step, as every other "
             "torch.optim optimizer does"
         )
-    _warn_if_nothing_to_upgrade(optimizer, options)
-    names.remember(optimizer)  # its state named in reports
-    watch.install()
-    _count(optimizer, _compat.dynamo_resets())
-    whole = options.get("cudagraphs") is True  # the whole step as one replay
-    options = _as_compiled(options)
-    backend = compiler.make_backend(**options) if options else compiler.backend
-    compiled = torch.compile(optimizer.step, backend=backend)
-    if whole:
-        compiled = replay.WholeStep(optimizer, compiled)
 
+
+def _install(
+    optimizer: torch.optim.Optimizer, compiled: Any, options: dict[str, Any], whole: bool
+) -> None:
+    """``compiled`` installed as the optimizer's ``step``: a closure is called eagerly
+    before it, and the optimizer keeps room under Dynamo's recompile limit while it runs."""
     first = [True]
 
     def step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -109,9 +126,6 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
             compiled(*args, **kwargs)
         return loss
 
-    if options.get("mode") != "off":
-        watch.expect_compiled(optimizer)
-        checkpoint.guard(optimizer)
     step._collage_compiled = True  # type: ignore[attr-defined]
     step._collage_options = CollageConfig.from_options(options)  # type: ignore[attr-defined]
     # the replay of the whole step (cudagraphs=True): its ``replays`` and ``refused``
@@ -122,7 +136,6 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     step.__doc__ = f"{type(optimizer).__name__}.step, compiled with the collage backend."
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-    return optimizer
 
 
 def _room(optimizer: torch.optim.Optimizer) -> Any:
