@@ -821,10 +821,12 @@ def no_input_asserts_patch() -> dict[str, Any]:
     these asserts were a quarter of the step's host time (``benchmarks.host``).  They
     repeat checks made elsewhere: Dynamo's guards check the size and stride of the tensors
     it passes in, but not an optimizer's gradients, whose strides the backend's wrapper
-    compares itself (``_LoInputs.expect_grad_layouts``); the wrapper builds each lo with its
-    tensor's layout (``state.empty_lo``) and re-checks the parameters it holds whenever
-    one's storage changes (``module.half()``, ``p.data = ...``).  ``size_asserts`` on 2.11
-    and 2.13.
+    compares itself (``_LoInputs.expect_grad_layouts``), nor its parameters, which Dynamo
+    guards by identity alone: the wrapper builds each lo with its tensor's layout
+    (``state.empty_lo``) and re-checks the dtype, shape and strides of the parameters the
+    graph holds (pairs, and ``_LoInputs.watch_layouts``: the others of two or more
+    dimensions) whenever one's storage changes (``module.half()``,
+    ``model.to(memory_format=...)``, ``p.data = ...``).  ``size_asserts`` on 2.11 and 2.13.
     """
     return {"size_asserts": False}
 

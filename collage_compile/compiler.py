@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
-from collage_compile.accumulators import Accumulator, GraphInfo
+from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
 
@@ -381,6 +381,7 @@ def _compile_chains(
         scalars=_static_scalars(scalars),
         guards=_scalar_guards(scalars),
     )
+    out.watch_layouts(gm)
     if host is not None:
         out.unused, out.cpu_attrs = host
     return out
@@ -431,6 +432,7 @@ def _compile_exact(
         scalars=_static_scalars(c.scalars),
         guards=_scalar_guards(c.scalars),
     )
+    out.watch_layouts(gm)
     if c.host is not None:
         out.unused, out.cpu_attrs = c.host
     return out
@@ -584,7 +586,7 @@ class _LoInputs:
         self._attr_slots = [slot for slot, _ in attrs]
         self._attr_accs = [a for _, a in attrs]
         self._attr_refs = [weakref.ref(a.real) for _, a in attrs]
-        self._attr_meta = [(a.real.dtype, a.real.shape) for _, a in attrs]
+        self._attr_meta = [(a.real.dtype, a.real.shape, a.real.stride()) for _, a in attrs]
         self._by_input = [
             (slot, a.input_index, a.name) for slot, a in enumerate(upgraded) if a.real is None
         ]
@@ -612,6 +614,53 @@ class _LoInputs:
         self._grad_inputs: list[int] = []
         self._grad_strides: list[tuple[int, ...]] = []
         self._grad_dtypes: list[torch.dtype] = []
+        # other parameters the graph holds (watch_layouts): references, what it was compiled
+        # for, their data pointers then
+        self._fixed: list[tuple[weakref.ref, tuple[Any, ...], str]] = []
+        self._fixed_ptrs: list[int] = []
+
+    def watch_layouts(self, gm: fx.GraphModule) -> None:
+        """Watch the other parameters ``gm`` holds (a weight a chain only reads, an fp32
+        weight stepped beside the pairs) as the attrs are watched (:meth:`_refresh`).
+        Dynamo guards an optimizer's parameters by identity alone, and the backend turns
+        off Inductor's input asserts (:func:`_compat.no_input_asserts_patch`), so a weight
+        swapped under the same Parameter (``model.to(memory_format=...)``,
+        ``module.half()``, ``p.data = ...``) would be read as the graph was compiled for.
+        A parameter of one dimension has no other layout and is left out: per call, one
+        comparison of data pointers, over none of the weights of a bf16 language model."""
+        attrs = {id(t) for t in (r() for r in self._attr_refs) if t is not None}
+        seen: set[int] = set()
+        for node in gm.graph.find_nodes(op="get_attr"):
+            t = fetch_attr(gm, str(node.target))
+            if isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and id(t) not in attrs | seen:
+                seen.add(id(t))
+                meta = (t.dtype, t.shape, t.stride())
+                self._fixed.append(
+                    (weakref.ref(t), meta, names.display(t, names.source_name(node)))
+                )
+        self._fixed_ptrs = [_DATA_PTR(r()) for r, _, _ in self._fixed]
+
+    def _check_fixed(self) -> None:
+        """Raise if a parameter :meth:`watch_layouts` watches is not what the graph was
+        compiled for; a new storage of the same layout is taken as it is."""
+        tensors = [r() for r, _, _ in self._fixed]
+        if any(map(_IS_NONE, tensors)):
+            return  # freed: Dynamo's guards fail before this graph runs again
+        ptrs = list(map(_DATA_PTR, tensors))
+        if ptrs == self._fixed_ptrs:
+            return
+        for t, (_, (dtype, shape, stride), name) in zip(tensors, self._fixed):
+            if (t.dtype, t.shape, t.stride()) != (dtype, shape, stride):
+                was = f"{str(dtype).replace('torch.', '')} {tuple(shape)} strides {stride}"
+                now = f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)} strides {t.stride()}"
+                raise RuntimeError(
+                    f"collage: {name}, held by {self._shown}, is now {now}; the graph was "
+                    f"compiled for {was}: it changed (model.to(memory_format=...), "
+                    "module.half(), param.data = ...) after the graph was compiled, and "
+                    "torch.compile does not re-check an optimizer's parameters.  Call "
+                    "torch._dynamo.reset() or compile the step again after the change."
+                )
+        self._fixed_ptrs = ptrs
 
     def expect_grad_layouts(self, example_inputs: Sequence[Any]) -> None:
         """Record the strides and dtypes of the gradients among the inputs (``sources``).
@@ -671,7 +720,18 @@ class _LoInputs:
 
     def _refresh(self, tensors: list[torch.Tensor]) -> None:
         """Rebuild the attrs' lo list: the registry changed, or a tensor's storage did."""
-        for t, acc, (dtype, shape) in zip(tensors, self._attr_accs, self._attr_meta):
+        for t, acc, (dtype, shape, stride) in zip(tensors, self._attr_accs, self._attr_meta):
+            if t.dtype == dtype and t.shape == shape and t.stride() != stride:
+                raise RuntimeError(
+                    f"collage: {acc.describe()} is now laid out with strides {t.stride()}, "
+                    f"and this graph was compiled for {stride}: its layout changed "
+                    "(model.to(memory_format=...), param.data = ...) after the graph was "
+                    "compiled, and torch.compile does not re-check an optimizer's "
+                    "parameters (plain Inductor raises on its input asserts; without them "
+                    "the step would index the weight in the old layout).  Call "
+                    "torch._dynamo.reset() or compile the step again after the change; "
+                    "the pairs keep their lo."
+                )
             if t.dtype != dtype or t.shape != shape:
                 raise RuntimeError(
                     f"collage: {acc.describe()} is now {str(t.dtype).replace('torch.', '')} "
@@ -696,6 +756,8 @@ class _LoInputs:
         tensors = self._attr_tensors()
         if self._epoch != state.epoch() or list(map(_DATA_PTR, tensors)) != self._ptrs:
             self._refresh(tensors)
+        if self._fixed:
+            self._check_fixed()
         call_los = self._call_los
         outside: list[tuple[str, str]] = []
         if not state.unchanged(self._lo_ids, tensors):

@@ -226,13 +226,15 @@ def fits(lo: torch.Tensor, t: torch.Tensor) -> bool:
     return _fits(lo, t)
 
 
-def _fits(lo: torch.Tensor, t: torch.Tensor, any_device: bool = False) -> bool:
+def _fits(
+    lo: torch.Tensor, t: torch.Tensor, any_device: bool = False, any_layout: bool = False
+) -> bool:
     dense = _compat.is_non_overlapping_and_dense(t)
     return (
         lo.dtype in (t.dtype, remainder.DTYPE)
         and lo.shape == t.shape
         and (any_device or lo.device == t.device)
-        and (lo.stride() == t.stride() if dense else lo.is_contiguous())
+        and (any_layout or (lo.stride() == t.stride() if dense else lo.is_contiguous()))
     )
 
 
@@ -247,17 +249,22 @@ def lo_for(
     by view, alive while the storage is.
 
     A lo that no longer fits its tensor (``module.half()`` or ``param.data = ...`` changed
-    the dtype, shape, device or layout under it) describes a value that is gone: it is
-    replaced by zeros, with a one-time warning naming the tensor's shape.  A lo of the
+    the dtype or shape under it) describes a value that is gone: it is replaced by zeros,
+    with a one-time warning naming the tensor's shape.  One on another device or in
+    another layout (``module.to(device)``, ``module.to(memory_format=...)``: the same
+    values, moved) is moved with them.  A lo of the
     other kind is converted (:func:`_convert`), with a one-time warning naming ``name``.
     """
     global _epoch
     lo = get_lo(t)
     if lo is not None and _fits(lo, t):
         return _of_kind(t, lo, exact, name)
-    if lo is not None and not by_view and _fits(lo, t, any_device=True):
-        # ``module.to(device)``: the values moved, so their corrections move too
-        return _of_kind(t, _replace(t, lo.to(t.device)), exact, name)
+    if lo is not None and not by_view and _fits(lo, t, any_device=True, any_layout=True):
+        # ``module.to(device)``, ``module.to(memory_format=...)``: the values moved, so
+        # their corrections move too, into the tensor's new layout
+        with torch.no_grad():
+            moved = empty_lo(t, lo.dtype).copy_(lo)
+        return _of_kind(t, _replace(t, moved), exact, name)
     if t.dtype not in LOW_PRECISION:
         raise TypeError(f"collage: lo requested for a {t.dtype} tensor of shape {tuple(t.shape)}")
     if exact:
@@ -456,8 +463,12 @@ def _current_lo(t: torch.Tensor) -> torch.Tensor | None:
     lo = get_lo(t)
     if lo is None and t.dtype in LOW_PRECISION:
         lo = _exact_alias_lo(t)
-    if lo is None or not _fits(lo, t) or written_since_stamp(lo) is not None:
+    if lo is None or written_since_stamp(lo) is not None:
         return None
+    if not _fits(lo, t, any_layout=True):
+        return None
+    # one laid out otherwise (``module.to(memory_format=...)``) still holds the corrections
+    # of the same elements; the next compiled step moves it into the tensor's layout
     return lo
 
 

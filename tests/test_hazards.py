@@ -8,6 +8,7 @@ pair never disagrees with hi.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -230,6 +231,77 @@ def test_module_half_after_compiling_raises_instead_of_reading_bf16_bits_as_fp16
     hi, lo = collage_compile.components(p)
     assert lo.dtype == torch.float16 and torch.equal(lo, torch.zeros_like(lo))
     assert torch.equal(hi.detach(), before)  # a zero update leaves the weights alone
+
+
+def test_channels_last_after_compiling_raises_and_the_pair_moves_with_the_weight():
+    """``model.to(memory_format=torch.channels_last)`` mid-run puts a conv weight in another
+    layout under the same Parameter.  torch.compile does not re-check an optimizer's
+    parameters, and a step compiled for the old layout indexed the weight in it beside its
+    contiguous state: an adversarial test found the weights scrambled, further from float64
+    than plain bf16, with no warning.  The backend refuses with a clear error; after a
+    recompile the lo moves into the new layout (the values did not change) and training
+    goes on compensated."""
+    conv = torch.nn.Conv2d(8, 16, 3, bias=False).bfloat16()
+    p = conv.weight
+    cl = torch.channels_last
+    start = p.detach().double().clone()
+    ref, plain = start.clone(), p.detach().clone()
+    opt = torch.optim.SGD([p], lr=1e-3)
+    collage_compile.compile_optimizer(opt)
+    stream = [g.view_as(p).clone() for g in grad_stream(p.numel(), 90)]  # no views
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for i, g in enumerate(stream):
+            if i == 30:
+                value = mcf_value(p)
+                conv.to(memory_format=cl)
+                assert torch.equal(mcf_value(p), value)  # the pair still holds it
+                p.grad = g.contiguous(memory_format=cl)  # as backward() would lay it out
+                with pytest.raises(RuntimeError, match=r"strides \(72, 1, 24, 8\).*_dynamo.reset"):
+                    opt.step()
+                assert torch.equal(mcf_value(p), value)  # refused before any write
+                torch._dynamo.reset()
+            p.grad = g.contiguous(memory_format=cl) if i >= 30 else g
+            opt.step()
+            ref.add_(g.double(), alpha=-1e-3)
+            plain.add_(g, alpha=-1e-3)
+    hi, lo = collage_compile.components(p)
+    assert hi.is_contiguous(memory_format=cl) and lo.stride() == hi.stride()
+    err = relative_error(mcf_value(p), ref, start)
+    assert err <= 0.02, err
+    assert relative_error(plain.double(), ref, start) >= 0.25
+
+
+def test_an_fp32_weight_stepped_beside_the_pairs_is_watched_for_a_new_layout_too():
+    """An fp32 conv weight in the same AdamW as bf16 pairs is stepped by the rewritten graph,
+    whose input asserts the backend turns off: put in channels-last under the same
+    Parameter, it was indexed in its old layout (0.04 from eager AdamW after three steps,
+    silently).  The backend refuses, naming it; recompiled, the step is eager AdamW's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    model[1].bfloat16()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    collage_compile.compile_optimizer(opt)
+    g = torch.Generator().manual_seed(1)
+    for i in range(6):
+        if i == 3:
+            model[0].to(memory_format=torch.channels_last)
+            twin[0].to(memory_format=torch.channels_last)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            q.grad = p.grad.clone()
+        if i == 3:
+            with pytest.raises(
+                RuntimeError,
+                match=r"params\[0\], held by .* strides \(36, 1, 12, 4\)",
+            ):
+                opt.step()
+            torch._dynamo.reset()
+        opt.step()
+        twin_opt.step()
+    assert torch.allclose(model[0].weight, twin[0].weight, rtol=0, atol=1e-5)
 
 
 def test_module_float_mid_run_names_the_lo_it_lost_and_trains_on_in_fp32():

@@ -369,6 +369,8 @@ def _apply(name):
         from collage_compile import _compat
 
         _compat.scalar_prologue_patch = lambda: {}
+    elif name == "fixed_unwatched":  # another parameter's new layout goes unchecked
+        compiler._LoInputs.watch_layouts = lambda self, gm: None
     else:
         raise SystemExit(f"unknown MUT={name}")
     print(f"\n*** mutation applied: {name}")
