@@ -299,6 +299,8 @@ def _compile_analyzed(
             if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
         }
     )
+    if not info.writes:
+        _warn_returned_averages(info)
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
@@ -314,6 +316,27 @@ def _compile_analyzed(
     return _compile_chains(
         gm, info, chains, upgraded, unsupported, unchained, example_inputs, config
     )
+
+
+def _warn_returned_averages(info: GraphInfo) -> None:
+    """Name each average a graph computes and returns without writing it: the code that
+    writes it back runs outside every compiled graph, in plain low precision
+    (:func:`passes.copy_expr.returned_updates`)."""
+    from collage_compile.passes import copy_expr
+
+    for acc, how in copy_expr.returned_updates(info):
+        dtype = str(acc.dtype).replace("torch.", "")
+        report.warn_once(
+            ("returned-average", acc.name, str(tuple(acc.example.shape))),
+            f"collage: a graph compiled with the collage backend returns an average of "
+            f"{acc.describe()} ({how}) and writes it nowhere: the code that writes it back "
+            f"runs outside the compiled graph, in plain {dtype}, so the average is not "
+            "compensated (AveragedModel(avg_fn=...), or its default SWA average on a CPU: "
+            "update_parameters breaks its graph and only avg_fn is compiled).  Use "
+            "AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay)) or "
+            "multi_avg_fn=get_swa_multi_avg_fn(), or update the average in place inside "
+            "one compiled function (avg.lerp_(p, 1 - decay)).",
+        )
 
 
 def _compile_unrewritten(

@@ -321,3 +321,72 @@ def _factor_steps(alpha: Any, negate: bool) -> list[Step]:
     if is_number(alpha):
         return [Step("mul", (-alpha if negate else alpha,))]
     return [Step("mul", (alpha,)), *([Step("mul", (-1.0,))] if negate else [])]
+
+
+# ---- an update computed and returned, not written -----------------------------------------
+
+
+def returned_updates(info: GraphInfo) -> list[tuple[Accumulator, str]]:
+    """Low-precision inputs whose new value a graph that writes nothing computes and
+    returns as an average: ``b * avg + (1 - b) * p`` with ``0.5 <= b < 1``, or a lerp.
+    Outside the graph, code the compiler never saw writes it back in plain low precision
+    (``AveragedModel(avg_fn=...)``: ``update_parameters`` breaks its graph, and only
+    ``avg_fn`` is compiled), so the average is not compensated: the caller names it.
+    [(input, the walk that reads the output as its update)]."""
+    if info.writes:
+        return []
+    out = next(iter(info.gm.graph.find_nodes(op="output")))
+    end = len(info.positions)
+    found: list[tuple[Accumulator, str]] = []
+    for node in flat_nodes(out.args):
+        ex = _compat.example_value(node)
+        if not isinstance(ex, torch.Tensor) or ex.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        for acc in info.accumulators:
+            if acc.dtype != ex.dtype or acc.example.shape != ex.shape:
+                continue
+            if _lerp_spelled_out(info, acc, node):
+                found.append((acc, "add(x, (p - x) * w)"))
+                break
+            walker = _Walker(info, acc, end)
+            try:
+                steps = walker.steps(node)
+            except _Unsupported:
+                continue
+            if steps and any(map(_averaging, steps)):
+                found.append((acc, walker.describe()))
+                break
+    return found
+
+
+def _lerp_spelled_out(info: GraphInfo, acc: Accumulator, node: fx.Node) -> bool:
+    """``x + (p - x) * w`` or ``x + (p - x) / d`` of the input ``acc`` (a running mean:
+    ``get_swa_avg_fn``), with ``p`` and the weight not reading it."""
+    if node.op != "call_function" or node.target not in _ADD or len(node.args) != 2:
+        return False
+    x, scaled = node.args
+    if not (isinstance(x, fx.Node) and _is_input(info, acc, x) and isinstance(scaled, fx.Node)):
+        return False
+    if scaled.op != "call_function" or scaled.target not in _MUL | _DIV or len(scaled.args) != 2:
+        return False
+    diff, weight = scaled.args
+    if not (isinstance(diff, fx.Node) and diff.target in _SUB and len(diff.args) == 2):
+        return False
+    p, x2 = diff.args
+    walker = _Walker(info, acc, len(info.positions))
+    return x2 is x and not walker.depends(p) and not walker.depends(weight)
+
+
+def _is_input(info: GraphInfo, acc: Accumulator, node: fx.Node) -> bool:
+    ex = _compat.example_value(node)
+    return node is acc.node or (
+        isinstance(ex, torch.Tensor)
+        and any(a is acc and whole for a, whole in info.accumulators_of(ex))
+    )
+
+
+def _averaging(step: Step) -> bool:
+    """A lerp, or a decay by a constant factor in [0.5, 1): how an average moves."""
+    if step.kind == "lerp":
+        return True
+    return step.kind == "mul" and is_number(step.args[0]) and 0.5 <= float(step.args[0]) < 1.0

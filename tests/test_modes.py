@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import GraphCapture, assert_snapshot, relative_error
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 import collage_compile
 from collage_compile import _compat, report
@@ -323,6 +323,34 @@ def test_averaged_model_with_ema_multi_avg_fn_is_upgraded():
     print(f"AveragedModel EMA d=0.999: collage {err:.2e}  plain bf16 {plain_err:.2e}")
     assert err <= 0.02 and plain_err >= 0.5
     assert all(collage_compile.components(e)[1] is not None for e in ema.module.parameters())
+
+
+@pytest.mark.parametrize("form", ["ema_avg_fn", "swa_default", "own_avg_fn"])
+def test_averaged_model_whose_write_runs_outside_the_graph_is_named(form):
+    """With ``avg_fn`` (and the default SWA average on a CPU, which has no foreach path),
+    ``AveragedModel.update_parameters`` breaks its graph: only ``avg_fn`` is compiled, and
+    it returns the new average, which eager code copies back in plain bf16.  An
+    adversarial test found this silent (no lo, as far from float64 as plain bf16); the
+    backend now names the average.  The multi_avg_fn form above is upgraded and stays
+    quiet (it runs under warnings-as-errors)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).bfloat16()
+    kwargs = {
+        "ema_avg_fn": {"avg_fn": get_ema_avg_fn(0.99)},
+        "swa_default": {},
+        "own_avg_fn": {"avg_fn": lambda avg, p, n: 0.99 * avg + (1 - 0.99) * p},
+    }[form]
+    avg = AveragedModel(model, use_buffers=True, **kwargs)
+    update = torch.compile(avg.update_parameters, backend=collage_compile.backend)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            update(model)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, collage_compile.CollageWarning)]
+    assert any("returns an average of" in m and "multi_avg_fn" in m for m in msgs), msgs
+    assert all(collage_compile.components(e)[1] is None for e in avg.module.parameters())
 
 
 def test_bytes_per_parameter_of_each_mode():
