@@ -328,7 +328,8 @@ def _factor_steps(alpha: Any, negate: bool) -> list[Step]:
 
 def returned_updates(info: GraphInfo) -> list[tuple[Accumulator, str]]:
     """Low-precision inputs whose new value a graph that writes nothing computes and
-    returns as an average: ``b * avg + (1 - b) * p`` with ``0.5 <= b < 1``, or a lerp.
+    returns, without autograd, as an average: ``b * avg + (1 - b) * p`` with
+    ``0.9 <= b < 1``, or a lerp.
     Outside the graph, code the compiler never saw writes it back in plain low precision
     (``AveragedModel(avg_fn=...)``: ``update_parameters`` breaks its graph, and only
     ``avg_fn`` is compiled), so the average is not compensated: the caller names it.
@@ -341,6 +342,8 @@ def returned_updates(info: GraphInfo) -> list[tuple[Accumulator, str]]:
     for node in flat_nodes(out.args):
         ex = _compat.example_value(node)
         if not isinstance(ex, torch.Tensor) or ex.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        if ex.requires_grad:  # a forward pass's output (an average is computed without)
             continue
         for acc in info.accumulators:
             if acc.dtype != ex.dtype or acc.example.shape != ex.shape:
@@ -386,7 +389,7 @@ def _is_input(info: GraphInfo, acc: Accumulator, node: fx.Node) -> bool:
 
 
 def _averaging(step: Step) -> bool:
-    """A lerp, or a decay by a constant factor in [0.5, 1): how an average moves."""
+    """A lerp, or a decay by a constant factor in [0.9, 1): how an average moves."""
     if step.kind == "lerp":
         return True
-    return step.kind == "mul" and is_number(step.args[0]) and 0.5 <= float(step.args[0]) < 1.0
+    return step.kind == "mul" and is_number(step.args[0]) and 0.9 <= float(step.args[0]) < 1.0

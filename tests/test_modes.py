@@ -353,6 +353,18 @@ def test_averaged_model_whose_write_runs_outside_the_graph_is_named(form):
     assert all(collage_compile.components(e)[1] is None for e in avg.module.parameters())
 
 
+def test_a_forward_that_mixes_its_inputs_is_not_named_as_an_average():
+    """What names a returned average does not fire on a forward pass: a mix of two inputs
+    under autograd, or by a factor no average decays with."""
+    x, y = torch.randn(16).bfloat16(), torch.randn(16).bfloat16()
+    w = torch.randn(16).bfloat16().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        torch.compile(lambda a, b: 0.5 * a + 0.5 * b, backend=collage_compile.backend)(x, y)
+        mixed = torch.compile(lambda a, b: 0.99 * a + 0.01 * b, backend=collage_compile.backend)
+        mixed(w, y).sum().backward()
+
+
 def test_bytes_per_parameter_of_each_mode():
     """README's table: persistent bytes per parameter of an AdamW bf16 run by mode (param,
     exp_avg, exp_avg_sq, and the lo components the backend holds)."""
