@@ -655,7 +655,12 @@ class _LoInputs:
         seen: set[int] = set()
         for node in gm.graph.find_nodes(op="get_attr"):
             t = fetch_attr(gm, str(node.target))
-            if isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and id(t) not in attrs | seen:
+            if (
+                isinstance(t, torch.nn.Parameter)
+                and t.dim() >= 2
+                and not _compat.is_dtensor(t)  # its shard's strides Dynamo guards
+                and id(t) not in attrs | seen
+            ):
                 seen.add(id(t))
                 meta = (t.dtype, t.shape, t.stride())
                 self._fixed.append(
