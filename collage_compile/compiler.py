@@ -299,8 +299,7 @@ def _compile_analyzed(
             if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
         }
     )
-    if not info.writes:
-        _warn_returned_averages(info)
+    _warn_returned_averages(info)
     if not chains and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
@@ -547,6 +546,27 @@ _DTYPE = operator.attrgetter("dtype")
 _IS_NONE = functools.partial(operator.is_, None)
 
 
+def _check_as_compiled(what: str, t: torch.Tensor, meta: tuple[Any, ...]) -> None:
+    """Raise unless ``t`` has the dtype, shape and strides (``meta``) its graph was compiled
+    for.  A parameter changed under the same Parameter object (``module.half()``,
+    ``model.to(memory_format=...)``, ``param.data = ...``) passes Dynamo's guards, which
+    check an optimizer's parameters by identity alone, and the backend turns off Inductor's
+    input asserts (:func:`_compat.no_input_asserts_patch`): the step would read it as the
+    tensor it was compiled for."""
+    if (t.dtype, t.shape, t.stride()) == meta:
+        return
+    dtype, shape, stride = meta
+    was = f"{str(dtype).replace('torch.', '')} {tuple(shape)} strides {stride}"
+    now = f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)} strides {t.stride()}"
+    raise RuntimeError(
+        f"collage: {what} is now {now}, and the graph was compiled for {was}: it changed "
+        "(module.half(), model.to(memory_format=...), param.data = ...) after the graph was "
+        "compiled, and torch.compile does not re-check an optimizer's parameters (the "
+        "step would read it as the tensor it was compiled for).  Call "
+        "torch._dynamo.reset() or compile the step again after the change."
+    )
+
+
 class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended (then
     that of every weight a chain only reads), and afterwards zeroes the lo of every pair on
@@ -651,15 +671,14 @@ class _LoInputs:
         ``module.half()``, ``p.data = ...``) would be read as the graph was compiled for.
         A parameter of one dimension has no other layout and is left out: per call, one
         comparison of data pointers, over none of the weights of a bf16 language model."""
-        attrs = {id(t) for t in (r() for r in self._attr_refs) if t is not None}
-        seen: set[int] = set()
+        seen = {id(t) for t in (r() for r in self._attr_refs) if t is not None}
         for node in gm.graph.find_nodes(op="get_attr"):
             t = fetch_attr(gm, str(node.target))
             if (
                 isinstance(t, torch.nn.Parameter)
                 and t.dim() >= 2
                 and not _compat.is_dtensor(t)  # its shard's strides Dynamo guards
-                and id(t) not in attrs | seen
+                and id(t) not in seen
             ):
                 seen.add(id(t))
                 meta = (t.dtype, t.shape, t.stride())
@@ -677,17 +696,8 @@ class _LoInputs:
         ptrs = list(map(_DATA_PTR, tensors))
         if ptrs == self._fixed_ptrs:
             return
-        for t, (_, (dtype, shape, stride), name) in zip(tensors, self._fixed):
-            if (t.dtype, t.shape, t.stride()) != (dtype, shape, stride):
-                was = f"{str(dtype).replace('torch.', '')} {tuple(shape)} strides {stride}"
-                now = f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)} strides {t.stride()}"
-                raise RuntimeError(
-                    f"collage: {name}, held by {self._shown}, is now {now}; the graph was "
-                    f"compiled for {was}: it changed (model.to(memory_format=...), "
-                    "module.half(), param.data = ...) after the graph was compiled, and "
-                    "torch.compile does not re-check an optimizer's parameters.  Call "
-                    "torch._dynamo.reset() or compile the step again after the change."
-                )
+        for t, (_, meta, name) in zip(tensors, self._fixed):
+            _check_as_compiled(f"{name}, held by {self._shown},", t, meta)
         self._fixed_ptrs = ptrs
 
     def expect_grad_layouts(self, example_inputs: Sequence[Any]) -> None:
@@ -748,26 +758,8 @@ class _LoInputs:
 
     def _refresh(self, tensors: list[torch.Tensor]) -> None:
         """Rebuild the attrs' lo list: the registry changed, or a tensor's storage did."""
-        for t, acc, (dtype, shape, stride) in zip(tensors, self._attr_accs, self._attr_meta):
-            if t.dtype == dtype and t.shape == shape and t.stride() != stride:
-                raise RuntimeError(
-                    f"collage: {acc.describe()} is now laid out with strides {t.stride()}, "
-                    f"and this graph was compiled for {stride}: its layout changed "
-                    "(model.to(memory_format=...), param.data = ...) after the graph was "
-                    "compiled, and torch.compile does not re-check an optimizer's "
-                    "parameters (plain Inductor raises on its input asserts; without them "
-                    "the step would index the weight in the old layout).  Call "
-                    "torch._dynamo.reset() or compile the step again after the change; "
-                    "the pairs keep their lo."
-                )
-            if t.dtype != dtype or t.shape != shape:
-                raise RuntimeError(
-                    f"collage: {acc.describe()} is now {str(t.dtype).replace('torch.', '')} "
-                    f"{tuple(t.shape)}: it changed (module.half(), param.data = ...) after this "
-                    "graph was compiled, and torch.compile does not re-check an optimizer's "
-                    "parameters (plain Inductor computes on the wrong dtype too).  Call "
-                    "torch._dynamo.reset() or compile the step again after the change."
-                )
+        for t, acc, meta in zip(tensors, self._attr_accs, self._attr_meta):
+            _check_as_compiled(acc.describe(), t, meta)
         los = []
         for t, slot, acc in zip(tensors, self._attr_slots, self._attr_accs):
             lo = self._call_los[slot]

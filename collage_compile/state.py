@@ -463,12 +463,10 @@ def _current_lo(t: torch.Tensor) -> torch.Tensor | None:
     lo = get_lo(t)
     if lo is None and t.dtype in LOW_PRECISION:
         lo = _exact_alias_lo(t)
-    if lo is None or written_since_stamp(lo) is not None:
-        return None
-    if not _fits(lo, t, any_layout=True):
-        return None
-    # one laid out otherwise (``module.to(memory_format=...)``) still holds the corrections
+    # a lo laid out otherwise (``module.to(memory_format=...)``) still holds the corrections
     # of the same elements; the next compiled step moves it into the tensor's layout
+    if lo is None or not _fits(lo, t, any_layout=True) or written_since_stamp(lo) is not None:
+        return None
     return lo
 
 
