@@ -488,9 +488,7 @@ def _check_input(optimizer: Any) -> None:
         if group.get("fused"):
             _warn_fused(type(optimizer).__name__)
             return
-        if isinstance(optimizer, torch.optim.Adafactor) and not (
-            group.get("foreach") and _compat.captures_scalar_outputs()
-        ):
+        if isinstance(optimizer, torch.optim.Adafactor) and not _compat.captures_scalar_outputs():
             _warn_untraced(type(optimizer).__name__)
             return
 
@@ -528,7 +526,6 @@ def _warn_untraced(name: str) -> None:
         ("untraced", name),
         f"collage: {name}.step calls Tensor.item(), so torch.compile skips it (it runs eagerly "
         f"and its bf16/fp16 parameters are updated in plain low precision) unless "
-        f"torch._dynamo.config.capture_scalar_outputs = True and the optimizer is built with "
-        f"foreach=True (its single-tensor path then fails in Inductor's lerp lowering)",
+        f"torch._dynamo.config.capture_scalar_outputs = True",
         stacklevel=5,
     )

@@ -83,7 +83,7 @@ CASES = {
     ),
     "Adadelta": (torch.optim.Adadelta, {"lr": 0.3, "weight_decay": 0.01}, True, True),
     "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "weight_decay": 0.01}, True, True),
-    # Adafactor: foreach only, Tensor.item() captured, a constant lr (a scheduled one
+    # Adafactor: Tensor.item() captured, a constant lr (a scheduled one
     # recompiles per value in Python, plain Inductor alike: test_all_optimizers), and eps1
     # given (its default is the parameter dtype's eps, which differs between bf16 and fp32).
     # Not bit for bit on CPU: its norms sum in another order (ROUNDED below)
