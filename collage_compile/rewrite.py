@@ -627,72 +627,96 @@ def emit(
 
     With ``metrics``, a parameter's chain also computes ``metrics.step_sums`` from the
     values it has at hand; returns [(accumulator, sums node)]."""
-    from collage_compile import metrics as _metrics
-
-    graph = gm.graph
-    em = _Emitter(graph)
-    measured: list[tuple[Accumulator, Any]] = []
-    used_until = last_pair_uses(info, chains)
-    grad_enabled = _grad_mode_at(graph)
-    # the chains that one foreach op's write ends: one group of horizontally fused kernels,
-    # as Inductor lowers the foreach op itself (Triton; the C++ backend fuses them anyway)
-    ends = collections.Counter(c.sites[-1].write.node for c in chains)
-    hoisted = em.scalars.values()
-    plans = reuse.Reuse(lambda n: n in info.positions or n in hoisted)
+    writer = _ChainWriter(gm, info, chains, arithmetic, metrics, outline)
     for chain in chains:
-        last = chain.sites[-1].write.node
-        acc = chain.acc
+        writer.write(chain)
+    # an unsupported write leaves the pair consistent: lo restarts from zero after it
+    for w in unsupported:
+        if w.acc.lo_node is None:
+            continue
+        with gm.graph.inserting_after(w.node):
+            writer.em.proxy(w.acc.lo_node).zero_()
+    _remove_claimed(gm, info, [s for c in chains for s in c.sites])
+    return writer.measured
+
+
+class _ChainWriter:
+    """:func:`emit`'s work on one chain at a time, with what it shares across chains: the
+    hoisted scalars, the outlined calls later chains reuse, where each pair is last used."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        info: GraphInfo,
+        chains: list[Chain],
+        arithmetic: str,
+        metrics: bool,
+        outline: bool,
+    ):
+        self.graph, self.info, self.arithmetic = gm.graph, info, arithmetic
+        self.metrics, self.outline = metrics, outline
+        self.em = _Emitter(gm.graph)
+        self.measured: list[tuple[Accumulator, Any]] = []
+        self.used_until = last_pair_uses(info, chains)
+        self.grad_enabled = _grad_mode_at(gm.graph)
+        # the chains that one foreach op's write ends: one group of horizontally fused
+        # kernels, as Inductor lowers the foreach op itself (Triton; C++ fuses them anyway)
+        self.ends = collections.Counter(c.sites[-1].write.node for c in chains)
+        hoisted = self.em.scalars.values()
+        self.plans = reuse.Reuse(lambda n: n in info.positions or n in hoisted)
+
+    def write(self, chain: Chain) -> None:
+        """The chain's code before its last write, its pair copied back; outlined into one
+        call (or a call an earlier chain's plan made) unless it measures metrics."""
+        last, acc, em = chain.sites[-1].write.node, chain.acc, self.em
         em.hoist_scalars(chain)
         first_new = last.prev
-        group = info.positions[last] if ends[last] > 1 else -1
-        plan = None
-        with graph.inserting_before(last):
-            hi = em.proxy(acc.node)
-            lo = em.proxy(acc.lo_node)
+        group = self.info.positions[last] if self.ends[last] > 1 else -1
+        grad = self.grad_enabled[last]
+        measure = self.metrics and acc.role == "param"
+        outline = self.outline and not measure
+        plan = made = None
+        with self.graph.inserting_before(last):
+            hi, lo = em.proxy(acc.node), em.proxy(acc.lo_node)
             steps = [
-                (step.kind, em.operands(step.args, info, acc), step.update)
+                (step.kind, em.operands(step.args, self.info, acc), step.update)
                 for site in chain.sites
                 for step in site.steps
             ]
-            measure = metrics and acc.role == "param"
             # the stores may round hi and lo themselves unless the pair is used again later
-            stored = not measure and used_until.get(acc, -1) <= info.positions[last]
-            if outline and not measure:
-                head = (arithmetic, acc.dtype, stored, grad_enabled[last])
-                plan = plans.plan(acc.node, acc.lo_node, steps, head)
-            made = plan and plans.call(graph, plan, grad_enabled[last], group)
+            stored = not measure and self.used_until.get(acc, -1) <= self.info.positions[last]
+            if outline:
+                head = (self.arithmetic, acc.dtype, stored, grad)
+                plan = self.plans.plan(acc.node, acc.lo_node, steps, head)
+                made = plan and self.plans.call(self.graph, plan, grad, group)
             if made:  # the call an earlier chain of this plan made, on this chain's tensors
-                hi.copy_(em.proxy(made[0]))
-                lo.copy_(em.proxy(made[1]))
-                _tag(first_new, last, chain)
-                continue
-            new_hi, new_lo = mcf_chain(hi, lo, steps, arithmetic, acc.dtype, stored=stored)
-            if measure:
-                old_hi, old_lo = hi.float(), lo.float()
-                delta = _metrics.intended_delta(old_hi, old_lo, trace_steps(hi, steps))
-                sums = _metrics.step_sums(old_hi, old_lo, new_hi, new_lo, delta)
-                measured.append((acc, sums.node))
+                new_hi, new_lo = em.proxy(made[0]), em.proxy(made[1])
+            else:
+                new_hi, new_lo = mcf_chain(hi, lo, steps, self.arithmetic, acc.dtype, stored=stored)
+                if measure:
+                    self.measured.append((acc, _step_sums(hi, lo, new_hi, new_lo, steps)))
             hi.copy_(new_hi)
             lo.copy_(new_lo)
-        if not measure and outline:
+        if outline and not made:
             region = []
             node = first_new.next
             while node.target != "copy_":
                 region.append(node)
                 node = node.next
-            outs = [new_hi.node, new_lo.node]
-            outlined = fuse.outline(graph, region, outs, grad_enabled[last], group)
+            outlined = fuse.outline(self.graph, region, [new_hi.node, new_lo.node], grad, group)
             if plan is not None:
-                plans.learn(plan, outlined)
+                self.plans.learn(plan, outlined)
         _tag(first_new, last, chain)
-    # an unsupported write leaves the pair consistent: lo restarts from zero after it
-    for w in unsupported:
-        if w.acc.lo_node is None:
-            continue
-        with graph.inserting_after(w.node):
-            em.proxy(w.acc.lo_node).zero_()
-    _remove_claimed(gm, info, [s for c in chains for s in c.sites])
-    return measured
+
+
+def _step_sums(hi: Any, lo: Any, new_hi: Any, new_lo: Any, steps: list[Any]) -> fx.Node:
+    """The node of ``metrics.step_sums`` for a parameter's chain: old and new pair, and the
+    update the steps intended."""
+    from collage_compile import metrics as _metrics
+
+    old_hi, old_lo = hi.float(), lo.float()
+    delta = _metrics.intended_delta(old_hi, old_lo, trace_steps(hi, steps))
+    return _metrics.step_sums(old_hi, old_lo, new_hi, new_lo, delta).node
 
 
 def _tag(first_new: fx.Node, last: fx.Node, chain: Chain) -> None:
