@@ -567,6 +567,15 @@ def _check_as_compiled(what: str, t: torch.Tensor, meta: tuple[Any, ...]) -> Non
     )
 
 
+def _graph_title(upgraded: list[Accumulator]) -> str:
+    """A graph as messages name it: the first four tensors it updates."""
+    shown = [names.display(a.real, a.name) for a in upgraded[:4]]
+    if not shown:
+        return "a graph compiled by the collage backend"
+    more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
+    return f"the graph that updates {', '.join(shown)}{more}"
+
+
 class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended (then
     that of every weight a chain only reads), and afterwards zeroes the lo of every pair on
@@ -615,16 +624,19 @@ class _LoInputs:
         # cudagraphs="step": inputs the graph does not read, CPU tensors it holds
         self.unused: frozenset[int] = frozenset()
         self.cpu_attrs: list[str] = []
-        shown = [names.display(a.real, a.name) for a in upgraded[:4]]
-        more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
-        self._shown = (
-            f"the graph that updates {', '.join(shown)}{more}"
-            if shown
-            else ("a graph compiled by the collage backend")
-        )
+        self._shown = _graph_title(upgraded)
         self.exact = exact  # lo inputs are exact remainders (mode="exact")
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
+        self._index(upgraded, unchained, readers)
+        self._init_layouts()
+
+    def _index(
+        self, upgraded: list[Accumulator], unchained: list[Accumulator], readers: list[Accumulator]
+    ) -> None:
+        """Where each tensor's lo goes among the graph's inputs (a slot per upgraded tensor,
+        then per reader): the attrs (held by the graph, by weak reference), the inputs
+        (looked up per call), and what every call writes."""
         attrs = [(slot, a) for slot, a in enumerate(upgraded) if a.real is not None]
         self._attr_slots = [slot for slot, _ in attrs]
         self._attr_accs = [a for _, a in attrs]
@@ -650,6 +662,10 @@ class _LoInputs:
             id(a.real) for a in [*upgraded, *unchained] if a.real is not None
         )
         self._written_inputs = [a.input_index for a in [*upgraded, *unchained] if a.real is None]
+
+    def _init_layouts(self) -> None:
+        """Nothing watched yet: :meth:`expect_grad_layouts` and :meth:`watch_layouts` fill
+        these once the graph is compiled."""
         # an optimizer's gradients among the inputs, and the strides the graph was compiled
         # for (expect_grad_layouts)
         self.grad_layouts: dict[int, tuple[int, ...]] = {}
@@ -774,6 +790,25 @@ class _LoInputs:
 
     def __call__(self, *args: Any) -> Any:
         tensors = self._attr_tensors()
+        call_los = self._los_for_call(args, tensors)
+        wrote = self._written_ids
+        if self._written_inputs:
+            wrote = wrote | {id(args[i]) for i in self._written_inputs}
+        # before the call: the optimizer watch reads it after the call (self.ticks) or after
+        # the step that follows
+        watch.record_call(wrote)
+        if replay.recording is not None:
+            replay.recording.append((self, args, list(call_los)))
+        args = self._as_compiled_for(args)
+        with watch.in_call(self._shown):
+            # Dynamo calls a backend's result with positional arguments (never boxed)
+            out = self.compiled(*args, *call_los)
+        return self._after_call(out, args, call_los, tensors)
+
+    def _los_for_call(self, args: Sequence[Any], tensors: list[torch.Tensor]) -> list[Any]:
+        """Each slot's lo for this call, after the checks: the attrs' lo list rebuilt if the
+        registry or a storage changed, the other parameters' layouts, and a write from
+        outside since the last call (named once; :func:`state.check` restarts that lo)."""
         if self._epoch != state.epoch() or list(map(_DATA_PTR, tensors)) != self._ptrs:
             self._refresh(tensors)
         if self._fixed:
@@ -798,14 +833,11 @@ class _LoInputs:
                 call_los[slot] = self._reader_lo(slot, t)
         if outside:
             watch.outside_writes([n for n, _ in outside], outside[0][1], key=str(id(self)))
-        wrote = self._written_ids
-        if self._written_inputs:
-            wrote = wrote | {id(args[i]) for i in self._written_inputs}
-        # before the call: the optimizer watch reads it after the call (self.ticks) or after
-        # the step that follows
-        watch.record_call(wrote)
-        if replay.recording is not None:
-            replay.recording.append((self, args, list(call_los)))
+        return call_los
+
+    def _as_compiled_for(self, args: Sequence[Any]) -> Sequence[Any]:
+        """``args`` as the graph was compiled for: gradients in its layouts and dtypes
+        (:meth:`_relaid`), floats in the graph's own tensors (:meth:`_with_scalars`)."""
         if self._grad_inputs:
             grads = list(map(args.__getitem__, self._grad_inputs))
             strides = list(map(_STRIDE, grads))
@@ -813,9 +845,13 @@ class _LoInputs:
                 args = self._relaid(args, strides)
         if self._scalars:
             args = self._with_scalars(args)
-        with watch.in_call(self._shown):
-            # Dynamo calls a backend's result with positional arguments (never boxed)
-            out = self.compiled(*args, *call_los)
+        return args
+
+    def _after_call(
+        self, out: Any, args: Sequence[Any], call_los: list[Any], tensors: list[torch.Tensor]
+    ) -> Any:
+        """The call's outputs less the metrics' sums and new state's remainders (recorded
+        and registered), with the versions, stamps, restarts and optimizer ticks it leaves."""
         if self.metrics is not None:
             # the last output is the metrics' sums (rewrite.add_metrics_output), kept
             # until read: a copy where the next replay of a CUDA graph overwrites it
