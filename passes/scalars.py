@@ -325,42 +325,23 @@ def _rewrite_fill(
 def _rewrite_foreach(
     graph: fx.Graph, node: fx.Node, name: str, tensors: _ScalarTensors
 ) -> bool | None:
+    """A foreach op with a symbolic float operand: that float as a tensor, in the op form
+    that reads it on the device (one function per form)."""
     args, kwargs = list(node.args), dict(node.kwargs)
-    inplace = str(node.target.__name__).endswith("_")
     if name == "pow" and len(args) == 2 and is_symbolic_float(args[0]):
-        exps = args[1]
-        meta = _tensor_meta(exps)
-        if meta is None or not isinstance(exps, (list, tuple)):
-            return None
-        base = tensors.get(args[0], *meta)
-        with graph.inserting_before(node):
-            bases = [base.expand_as(_proxy(graph, e)).node for e in exps]
-        node.args = (bases, exps)
-        return True
-    if not args or _tensor_meta(args[0]) is None:
+        return _foreach_pow(graph, node, args, tensors)
+    meta = _tensor_meta(args[0]) if args else None
+    if meta is None:
         return None
-    meta = _tensor_meta(args[0])
     if name in ("mul", "div", "add", "sub") and len(args) == 2 and not kwargs:
         if not is_symbolic_float(args[1]):
             return None
-        t = tensors.get(args[1], *meta)
-        if name in ("mul", "div"):  # the Tensor overload
-            node.args = (args[0], t.node)
-            return True
-        # add/sub: the List overload, the scalar expanded to each element (functionalizing
-        # _foreach_add_.Tensor under a symbolic scalar reads the scalar on the host)
-        if not isinstance(args[0], (list, tuple)):
-            return None
-        with graph.inserting_before(node):
-            items = [graph.call_method("expand_as", (t.node, x)) for x in args[0]]
-        node.args = (args[0], items)
-        return True
+        return _foreach_binary(graph, node, name, args, tensors.get(args[1], *meta))
     if name in _ALPHA_OPS and len(args) == 2 and is_symbolic_float(kwargs.get("alpha")):
         alpha = tensors.get(kwargs.pop("alpha"), *meta)
         with graph.inserting_before(node):
             scaled = graph.call_function(torch._foreach_mul, (args[1], alpha.node))
-        node.args = (args[0], scaled)
-        node.kwargs = kwargs
+        node.args, node.kwargs = (args[0], scaled), kwargs
         return True
     if name in _VALUE_OPS and len(args) in (3, 4):
         value = args.pop(3) if len(args) == 4 else kwargs.pop("value", None)
@@ -369,23 +350,60 @@ def _rewrite_foreach(
         with graph.inserting_before(node):
             t = tensors.get(value, *meta).node
             scaled = graph.call_function(torch._foreach_mul, (args[1], t))
-        node.args = (args[0], scaled, args[2])
-        node.kwargs = kwargs
+        node.args, node.kwargs = (args[0], scaled, args[2]), kwargs
         return True
     if name == "lerp" and len(args) == 3 and is_symbolic_float(args[2]) and not kwargs:
-        # a + w * (b - a): what the lerp decomposition computes for |w| < 1/2 (the other
-        # branch, b - (b - a) * (1 - w), differs in the last fp32 bit at most)
-        w = tensors.get(args[2], *meta)
-        with graph.inserting_before(node):
-            diff = graph.call_function(torch._foreach_sub, (args[1], args[0]))
-            step = graph.call_function(torch._foreach_mul, (diff, w.node))
-            add = torch._foreach_add_ if inplace else torch._foreach_add
-            new = graph.call_function(add, (args[0], step))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        return True
+        return _foreach_lerp(graph, node, args, tensors.get(args[2], *meta))
     return None
+
+
+def _foreach_pow(
+    graph: fx.Graph, node: fx.Node, args: list[Any], tensors: _ScalarTensors
+) -> bool | None:
+    """``_foreach_pow(x, exps)``, a float to tensor powers: the float's tensor expanded
+    to each exponent's shape."""
+    exps = args[1]
+    meta = _tensor_meta(exps)
+    if meta is None or not isinstance(exps, (list, tuple)):
+        return None
+    base = tensors.get(args[0], *meta)
+    with graph.inserting_before(node):
+        bases = [base.expand_as(_proxy(graph, e)).node for e in exps]
+    node.args = (bases, exps)
+    return True
+
+
+def _foreach_binary(
+    graph: fx.Graph, node: fx.Node, name: str, args: list[Any], t: fx.Proxy
+) -> bool | None:
+    """``_foreach_mul(xs, lr)`` and its kin, ``t`` the float's tensor."""
+    if name in ("mul", "div"):  # the Tensor overload
+        node.args = (args[0], t.node)
+        return True
+    # add/sub: the List overload, the scalar expanded to each element (functionalizing
+    # _foreach_add_.Tensor under a symbolic scalar reads the scalar on the host)
+    if not isinstance(args[0], (list, tuple)):
+        return None
+    with graph.inserting_before(node):
+        items = [graph.call_method("expand_as", (t.node, x)) for x in args[0]]
+    node.args = (args[0], items)
+    return True
+
+
+def _foreach_lerp(graph: fx.Graph, node: fx.Node, args: list[Any], w: fx.Proxy) -> bool:
+    """``_foreach_lerp(a, b, w)``, ``w`` the float's tensor: a + w * (b - a), what the lerp
+    decomposition computes for |w| < 1/2 (the other branch, b - (b - a) * (1 - w), differs
+    in the last fp32 bit at most)."""
+    inplace = str(node.target.__name__).endswith("_")
+    with graph.inserting_before(node):
+        diff = graph.call_function(torch._foreach_sub, (args[1], args[0]))
+        step = graph.call_function(torch._foreach_mul, (diff, w.node))
+        add = torch._foreach_add_ if inplace else torch._foreach_add
+        new = graph.call_function(add, (args[0], step))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
 
 
 def _keep_dtype(graph: fx.Graph, node: fx.Node, computation: torch.dtype) -> None:
