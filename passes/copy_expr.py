@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -229,66 +229,16 @@ class _Walker:
     def _rules(self, node: fx.Node) -> Iterator[tuple[str, Any, list[Step], tuple[Any, ...]]]:
         """(label, path operand, steps applied after it, other operands) for each way
         ``node`` can be read as an affine function of one of its operands."""
-        key = node.target
         args, kwargs = node.args, node.kwargs
         if self._transparent(node):
             yield "", args[0], [], tuple(args[1:]) + tuple(kwargs.values())
             return
-        if key in _ADD or key in _SUB:
-            b = bind(_add_sig, args, kwargs)
-            if b is None:
-                return
-            x, y, alpha = b
-            sub = key in _SUB
-            yield "add", x, [Step("add", (y, alpha), _neg_scaled if sub else _scaled)], (y, alpha)
-            yield "add", y, [*_factor_steps(alpha, sub), Step("add", (x, 1), _scaled)], (x, alpha)
-            return
-        if key in _MUL:
-            b = bind(_mul_sig, args, kwargs)
-            if b is None:
-                return
-            x, y = b
-            yield "mul", x, [Step("mul", (y,))], (y,)
-            yield "mul", y, [Step("mul", (x,))], (x,)
-            return
-        if key in _DIV:
-            b = bind(_div_sig, args, kwargs)
-            if b is None or b[2] is not None:
-                return
-            x, y, _ = b
-            step = divisor_step(y)
-            if step is not None:
-                yield "div", x, [step], (y,)
-            return
-        if key in _NEG:
-            b = bind(_neg_sig, args, kwargs)
+        rule = _rule_of(node.target)
+        if rule is not None:
+            signature, reads = rule
+            b = bind(signature, args, kwargs)
             if b is not None:
-                yield "neg", b[0], [Step("mul", (-1.0,))], ()
-            return
-        if key == _prim("fma"):
-            b = bind(_fma_sig, args, kwargs)
-            if b is None:
-                return
-            a, m, c = b
-            yield "fma", c, [Step("add", (a, m), _product)], (a, m)
-            yield "fma", a, [Step("mul", (m,)), Step("add", (c, 1), _scaled)], (m, c)
-            yield "fma", m, [Step("mul", (a,)), Step("add", (c, 1), _scaled)], (a, c)
-            return
-        if key in _ADDCDIV or key in _ADDCMUL:
-            b = bind(_addc_sig, args, kwargs)
-            if b is None:
-                return
-            x, t1, t2, value = b
-            fn = _quotient if key in _ADDCDIV else _addcmul_update
-            label = "addcdiv" if key in _ADDCDIV else "addcmul"
-            yield label, x, [Step("add", (t1, t2, value), fn)], (t1, t2, value)
-            return
-        if key in _LERP:
-            b = bind(_lerp_sig, args, kwargs)
-            if b is None:
-                return
-            x, end, weight = b
-            yield "lerp", x, [Step("lerp", (end, weight))], (end, weight)
+                yield from reads(node.target, b)
 
     def _transparent(self, node: fx.Node) -> bool:
         """A dtype conversion (or copy) that changes no value on the path: the result is
@@ -321,6 +271,74 @@ def _factor_steps(alpha: Any, negate: bool) -> list[Step]:
     if is_number(alpha):
         return [Step("mul", (-alpha if negate else alpha,))]
     return [Step("mul", (alpha,)), *([Step("mul", (-1.0,))] if negate else [])]
+
+
+# one reading per op family: (label, path operand, steps after it, other operands) for each
+# operand the op is affine in, given its bound arguments
+Reading = Iterator[tuple[str, Any, list[Step], tuple[Any, ...]]]
+
+
+def _add_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, y, alpha = b
+    sub = key in _SUB
+    yield "add", x, [Step("add", (y, alpha), _neg_scaled if sub else _scaled)], (y, alpha)
+    yield "add", y, [*_factor_steps(alpha, sub), Step("add", (x, 1), _scaled)], (x, alpha)
+
+
+def _mul_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, y = b
+    yield "mul", x, [Step("mul", (y,))], (y,)
+    yield "mul", y, [Step("mul", (x,))], (x,)
+
+
+def _div_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, y, rounding_mode = b
+    step = divisor_step(y) if rounding_mode is None else None
+    if step is not None:
+        yield "div", x, [step], (y,)
+
+
+def _neg_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    yield "neg", b[0], [Step("mul", (-1.0,))], ()
+
+
+def _fma_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    a, m, c = b
+    yield "fma", c, [Step("add", (a, m), _product)], (a, m)
+    yield "fma", a, [Step("mul", (m,)), Step("add", (c, 1), _scaled)], (m, c)
+    yield "fma", m, [Step("mul", (a,)), Step("add", (c, 1), _scaled)], (a, c)
+
+
+def _addc_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, t1, t2, value = b
+    fn = _quotient if key in _ADDCDIV else _addcmul_update
+    label = "addcdiv" if key in _ADDCDIV else "addcmul"
+    yield label, x, [Step("add", (t1, t2, value), fn)], (t1, t2, value)
+
+
+def _lerp_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, end, weight = b
+    yield "lerp", x, [Step("lerp", (end, weight))], (end, weight)
+
+
+_READINGS = (
+    (_ADD | _SUB, _add_sig, _add_readings),
+    (_MUL, _mul_sig, _mul_readings),
+    (_DIV, _div_sig, _div_readings),
+    (_NEG, _neg_sig, _neg_readings),
+    (_ADDCDIV | _ADDCMUL, _addc_sig, _addc_readings),
+    (_LERP, _lerp_sig, _lerp_readings),
+)
+
+
+def _rule_of(key: Any) -> tuple[Callable[..., Any], Callable[..., Reading]] | None:
+    """The signature to bind an op's arguments to and its readings (None: not affine)."""
+    for keys, signature, readings in _READINGS:
+        if key in keys:
+            return signature, readings
+    if key == _prim("fma"):
+        return _fma_sig, _fma_readings
+    return None
 
 
 # ---- an update computed and returned, not written -----------------------------------------
