@@ -186,10 +186,25 @@ def _params_by_index(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor
 
 
 def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
-    pending: dict[Any, dict[str, Any]] = {}
-    keys: dict[Any, torch.Tensor] = {}
+    hooks = _OptimizerHooks()
+    handles = [
+        optimizer.register_state_dict_post_hook(hooks.save),
+        optimizer.register_load_state_dict_pre_hook(hooks.before_load),
+        optimizer.register_load_state_dict_post_hook(hooks.after_load),
+    ]
+    adopt(optimizer)  # what a load before this call left in the live state
+    return handles
 
-    def save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+
+class _OptimizerHooks:
+    """An optimizer's state-dict hooks: each lo saved beside its tensor's state, taken out
+    of a loaded state before torch's load casts it, restored after it."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Any, dict[str, Any]] = {}  # state key -> our entries, while loading
+        self.keys: dict[Any, torch.Tensor] = {}  # state key -> live parameter, while loading
+
+    def save(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         packed = dict(sd["state"])  # its entries are the live state dicts: copy, never mutate
         for i, p in _params_by_index(opt).items():
             if p.dtype not in LOW_PRECISION:
@@ -207,42 +222,34 @@ def _attach_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
             packed[i] = {**packed.get(i, {}), **extra}
         return {**sd, "state": packed}
 
-    def before_load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        pending.clear()
+    def before_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        self.pending.clear()
         # state keys are whatever the saved groups list (indices from state_dict(), names
         # from DCP's set_state_dict): map them to parameters as Optimizer.load_state_dict does
         saved = [k for g in sd["param_groups"] for k in g["params"]]
         live = [p for g in opt.param_groups for p in g["params"]]
-        keys.clear()
-        keys.update(zip(saved, live))
+        self.keys.clear()
+        self.keys.update(zip(saved, live))
         packed = {}
         without = []
         for i, entry in sd["state"].items():
             ours = {k: v for k, v in entry.items() if _ours(k)}
             if ours:
-                pending[i] = ours
+                self.pending[i] = ours
                 entry = {k: v for k, v in entry.items() if k not in ours}
-            elif entry and getattr(keys.get(i), "dtype", None) in LOW_PRECISION:
-                without.append(keys[i])
+            elif entry and getattr(self.keys.get(i), "dtype", None) in LOW_PRECISION:
+                without.append(self.keys[i])
             if entry:
                 packed[i] = entry
         if without:
             _warn_saved_without_lo(opt, without)
         return {**sd, "state": packed}
 
-    def after_load(opt: torch.optim.Optimizer) -> None:
-        for i, ours in pending.items():
-            _restore_entry(opt, keys[i], ours)
-        pending.clear()
-        keys.clear()
-
-    hooks = [
-        optimizer.register_state_dict_post_hook(save),
-        optimizer.register_load_state_dict_pre_hook(before_load),
-        optimizer.register_load_state_dict_post_hook(after_load),
-    ]
-    adopt(optimizer)  # what a load before this call left in the live state
-    return hooks
+    def after_load(self, opt: torch.optim.Optimizer) -> None:
+        for i, ours in self.pending.items():
+            _restore_entry(opt, self.keys[i], ours)
+        self.pending.clear()
+        self.keys.clear()
 
 
 def _name_lost(
