@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +61,11 @@ _INPLACE_DUNDERS = {
     "__itruediv__": "div_",
     "__setitem__": "setitem",
 }
+
+
+# Dynamo's source of a tensor in an optimizer's param_groups: a parameter whatever its
+# requires_grad (gradients assigned by hand: torch.func, zeroth-order training)
+_OPTIMIZER_PARAM = re.compile(r"\.param_groups\[\d+\]\['params'\]\[\d+\]$")
 
 
 @dataclasses.dataclass(eq=False)
@@ -267,8 +273,11 @@ class GraphInfo:
             else:
                 idx = index_of[node]
                 probe = example_inputs[idx] if idx < len(example_inputs) else None
-            is_param = isinstance(probe, torch.nn.Parameter) or (
-                isinstance(probe, torch.Tensor) and probe.is_leaf and probe.requires_grad
+            name = readable_name(node)
+            is_param = (
+                isinstance(probe, torch.nn.Parameter)
+                or (isinstance(probe, torch.Tensor) and probe.is_leaf and probe.requires_grad)
+                or _OPTIMIZER_PARAM.search(name) is not None
             )
             acc = Accumulator(
                 node=node,
@@ -276,7 +285,7 @@ class GraphInfo:
                 real=real,
                 input_index=idx,
                 role="param" if is_param else "tensor",
-                name=readable_name(node),
+                name=name,
                 carries_pair=isinstance(probe, torch.Tensor)
                 and not _compat.is_fake(probe)
                 and state.has_pair(probe),

@@ -12,6 +12,8 @@ became a no-op fails.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import mcf_value, relative_error
@@ -64,19 +66,25 @@ def run_stream(
     grad_std: float,
     seed: int = 0,
     dynamic: bool | None = None,
+    requires_grad: bool = True,
 ):
-    """Train bf16 params with ``backend`` and a float64 shadow fed the same updates.
+    """Train bf16 params with ``backend`` (or ``"compile_optimizer"``) and a float64 shadow
+    fed the same updates; ``requires_grad=False``: plain tensors, gradients set by hand.
 
     Returns (relative error of the bf16 run's value vs its float64 shadow, params).
     """
     cls, kw = OPTIMIZERS[name]
     params = _params(seed, scale, torch.bfloat16)
+    if not requires_grad:
+        params = [p.detach() for p in params]
     start = [p.detach().double().clone() for p in params]
     ref = [torch.nn.Parameter(s.clone()) for s in start]
     opt = cls(params, foreach=foreach, **kw)
     ref_opt = cls(ref, foreach=False, **kw)
+    if backend == "compile_optimizer":
+        collage_compile.compile_optimizer(opt)
     step = opt.step
-    if backend is not None:
+    if backend not in (None, "compile_optimizer"):
         step = torch.compile(opt.step, backend=backend, dynamic=dynamic)
     g = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
@@ -109,6 +117,20 @@ def test_sgd_done_criterion_stream(foreach):
     err, _ = run_stream("sgd", foreach, collage_compile.backend, 300, 0.5, 0.01, 0.005)
     plain_err, _ = run_stream("sgd", foreach, None, 300, 0.5, 0.01, 0.005)
     assert err <= 0.02 and plain_err >= 0.5
+
+
+@pytest.mark.parametrize("backend", [collage_compile.backend, "compile_optimizer"])
+def test_tensors_in_param_groups_are_parameters_without_requires_grad(backend):
+    """An optimizer over tensors that do not require grad, their gradients set by hand
+    (torch.func's grads, zeroth-order training): light mode upgrades them as parameters.
+    They were left in plain bf16, named by no warning under torch.compile(opt.step)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        err, params = run_stream("adamw", True, backend, 150, 1.0, 0.0, 0.01, requires_grad=False)
+    plain_err, _ = run_stream("adamw", True, None, 150, 1.0, 0.0, 0.01, requires_grad=False)
+    assert not any(p.requires_grad for p in params)
+    assert all(collage_compile.components(p)[1] is not None for p in params)
+    assert err <= 0.02 and plain_err >= max(0.5, 25 * err)
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
