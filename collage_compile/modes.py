@@ -58,10 +58,54 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
             reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if reason:
             acc.eligible, acc.reason = False, reason
-            # mode='all' promises every accumulator: one it cannot carry is a warning
-            acc.warn = config.mode == "all" and not all(w in ctx.sites or _exact(w) for w in writes)
+            acc.warn = config.mode != "off" and _promised(info, acc, writes, ctx.sites, config)
+            carried = _carried_kind(info, acc, writes, ctx.sites, config) if acc.warn else None
+            if carried:
+                acc.reason += (
+                    f"; its other writes are {carried} that mode={config.mode!r} carries, run "
+                    f"here in plain {str(acc.dtype).replace('torch.', '')}, where a change below "
+                    "half an ulp rounds away (mode='exact' carries both)"
+                )
             for w in writes:
                 ctx.sites.pop(w, None)
+
+
+def _promised(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
+) -> bool:
+    """Whether the mode promised ``acc`` a pair that it cannot have: under ``"all"``, a
+    write that rounds (every accumulator is promised); under any mode, accumulations of
+    a kind the mode carries next to a write it cannot carry (Adamax's ``exp_inf``:
+    ``mul_(beta2)``, then ``maximum(out=)``: in bf16 the decay rounds back, and stays lost)."""
+    if config.mode == "all" and not all(w in sites or _exact(w) for w in writes):
+        return True
+    return _carried_kind(info, acc, writes, sites, config) is not None
+
+
+def _carried_kind(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
+) -> str | None:
+    """The accumulations of ``acc`` that the mode would carry, described, when some other
+    write of it is not an accumulation (None: no such mix)."""
+    if all(w in sites for w in writes):
+        return None
+    steps = [st for w in writes if w in sites for st in sites[w].steps if st.kind != "set"]
+    if not steps:
+        return None
+    kind = kind_of(info, acc, steps, config)
+    if not _carries(kind, config):
+        return None
+    b = _decay_factor(info, steps)
+    return f"a decay by {b:g}" if b is not None else f"an accumulation ({kind})"
+
+
+def _carries(kind: str, config: Any) -> bool:
+    """Whether ``config.mode`` carries accumulators of ``kind`` (:func:`kind_of`) as pairs."""
+    return (
+        kind == "weights-average"
+        or config.mode == "all"
+        or (config.mode == "plus" and kind == "decay")
+    )
 
 
 def kind_of(info: GraphInfo, acc: Accumulator, steps: list[Step], config: CollageConfig) -> str:
@@ -84,10 +128,7 @@ def _reason_to_leave(
     steps = [s for w in writes for s in sites[w].steps]
     if all(s.kind == "set" for s in steps):
         return "only overwritten here (no accumulation): left as written"
-    kind = kind_of(info, acc, steps, config)
-    if kind == "weights-average" or config.mode == "all":
-        return ""
-    if config.mode == "plus" and kind == "decay":
+    if _carries(kind_of(info, acc, steps, config), config):
         return ""
     b = _decay_factor(info, steps)
     described = f"decay {b:g}" if b is not None else "no decay factor"

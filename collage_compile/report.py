@@ -94,13 +94,21 @@ class GraphReport:
         return cls(entries, config.mode, config.arithmetic)
 
     def warn_unsupported(self) -> None:
+        """One warning per reason: the tensors it leaves (four shown) and their writes."""
+        by_reason: dict[str, dict[tuple[Any, ...], list[Any]]] = {}
         for e in self.entries:
             if e.applied or not e.warn:
                 continue
+            tensors = by_reason.setdefault(e.reason, {})
+            tensors.setdefault((e.tensor, e.shape, e.dtype), [e, []])[1].append(e.pattern)
+        for reason, tensors in by_reason.items():
+            patterns = list(dict.fromkeys(p for _, ps in tensors.values() for p in ps))
+            shown = [f"{e.name} (shape {list(e.shape)}, {e.dtype})" for e, _ in tensors.values()]
+            more = f", and {len(shown) - 4} more" if len(shown) > 4 else ""
             warn_once(
-                (e.tensor, str(e.shape), e.dtype, e.pattern, e.reason),
-                f"collage: not upgraded: {e.pattern} on {e.name} "
-                f"(shape {list(e.shape)}, {e.dtype}): {e.reason}",
+                (reason, *map(str, tensors)),
+                f"collage: not upgraded: {' + '.join(patterns)} on {', '.join(shown[:4])}{more}: "
+                f"{reason}",
                 stacklevel=3,
             )
 

@@ -512,3 +512,28 @@ def test_all_mode_warns_about_state_it_cannot_carry_and_not_about_exact_writes()
     messages = [str(r.message) for r in record]
     assert any(" on s " in msg and "not an accumulation" in msg for msg in messages), messages
     assert not any(" on m " in msg for msg in messages), messages
+
+
+@pytest.mark.parametrize("mode", ["plus", "all"])
+def test_a_decay_next_to_a_write_the_pair_cannot_carry_is_named(mode):
+    """Adamax's ``exp_inf = maximum(exp_inf * beta2, |g| + eps)``: plus and all carry a
+    decay by 0.999, but not the maximum written over it, so exp_inf stays plain bf16, where
+    ``x * 0.999`` rounds back to ``x`` (the state never decays).  That is named once for
+    the step's tensors, with the decay; light, which promises no optimizer state, is silent."""
+    params = [torch.nn.Parameter(torch.rand(s).to(torch.bfloat16)) for s in ((16, 8), (8,))]
+    opt = torch.optim.Adamax(params, lr=1e-3, foreach=True)
+    collage_compile.compile_optimizer(opt, mode=mode)
+    for p in params:
+        p.grad = torch.full_like(p, 0.01)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        opt.step()
+        opt.step()  # once, not per step
+    said = [str(r.message) for r in record if r.category is collage_compile.CollageWarning]
+    assert len(said) == 1, said
+    assert "state[0].exp_inf" in said[0] and "state[1].exp_inf" in said[0], said
+    assert f"a decay by 0.999 that mode='{mode}' carries" in said[0], said
+    assert all(collage_compile.components(opt.state[p]["exp_inf"])[1] is None for p in params)
+    # the loss it names: in bf16 the decay of a typical exp_inf rounds back to itself
+    x = torch.tensor(0.0123, dtype=torch.bfloat16)
+    assert (x * 0.999).item() == x.item()
