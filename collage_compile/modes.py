@@ -23,6 +23,7 @@ visible only in the constants of its writes (``v.mul_(0.999)`` vs ``m.lerp_(g, 0
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -45,10 +46,12 @@ from collage_compile.passes._common import is_number, is_scalar_like, op_name
 def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     """After matching: keep the claims of the tensors ``config.mode`` upgrades, and mark
     the others ineligible with the reason (their claims are dropped, their writes run as
-    written and are not warned about: leaving them alone is the mode's promise)."""
+    written and are not warned about: leaving them alone is the mode's promise, except
+    where :func:`_promised` or :func:`_like_weights` says the user would expect a pair)."""
     writes_of: dict[Accumulator, list[Any]] = {}
     for w in info.writes:
         writes_of.setdefault(w.acc, []).append(w)
+    like_weights = []
     for acc, writes in writes_of.items():
         if config.mode == "off":
             reason = "mode='off' upgrades nothing: plain low-precision arithmetic"
@@ -56,18 +59,63 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
             continue
         else:
             reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
-        if reason:
-            acc.eligible, acc.reason = False, reason
-            acc.warn = config.mode != "off" and _promised(info, acc, writes, ctx.sites, config)
-            carried = _carried_kind(info, acc, writes, ctx.sites, config) if acc.warn else None
-            if carried:
-                acc.reason += (
-                    f"; its other writes are {carried} that mode={config.mode!r} carries, run "
-                    f"here in plain {str(acc.dtype).replace('torch.', '')}, where a change below "
-                    "half an ulp rounds away (mode='exact' carries both)"
-                )
-            for w in writes:
-                ctx.sites.pop(w, None)
+        if not reason:
+            continue
+        acc.eligible, acc.reason = False, reason
+        if config.mode != "off":
+            _name_a_promise(info, acc, writes, ctx.sites, config)
+            if not acc.warn and _like_weights(info, acc, writes, ctx.sites):
+                like_weights.append(acc)
+        for w in writes:
+            ctx.sites.pop(w, None)
+    if like_weights and not any(acc.is_weight for acc in writes_of):
+        for acc in like_weights:
+            acc.warn, acc.reason = True, _LIKE_WEIGHTS.format(mode=config.mode)
+
+
+def _name_a_promise(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
+) -> None:
+    """Warn where the mode promised ``acc`` a pair it cannot have, saying why."""
+    acc.warn = _promised(info, acc, writes, sites, config)
+    carried = _carried_kind(info, acc, writes, sites, config) if acc.warn else None
+    if carried:
+        acc.reason += (
+            f"; its other writes are {carried} that mode={config.mode!r} carries, run "
+            f"here in plain {str(acc.dtype).replace('torch.', '')}, where a change below "
+            "half an ulp rounds away (mode='exact' carries both)"
+        )
+
+
+# Dynamo's sources of optimizer state and module buffers: state by design in every mode
+# but "all", never taken for a weight
+_STATE_SOURCE = re.compile(r"\.state\[|\._buffers\[|\.param_groups\[")
+# a decay this close to 1 is a weight decay's 1 - lr*wd, not a moment's beta
+_WEIGHT_DECAY_MIN = 0.9999
+_LIKE_WEIGHTS = (
+    "written the way a weight is (additions, with no decay or a weight decay's), but neither "
+    "a parameter (an nn.Parameter, a leaf tensor requiring grad, or a tensor in an "
+    "optimizer's param_groups) nor optimizer state or a module buffer, in a graph that "
+    "updates no parameter: mode={mode!r} leaves it in plain low precision, where updates "
+    "below half an ulp are lost. If it is a weight (a detached tensor trained with "
+    "torch.func), give it requires_grad=True (torch.func.grad works the same) or use "
+    "mode='all'; if it is state of an optimizer of your own, mode='all' carries it too"
+)
+
+
+def _like_weights(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any]
+) -> bool:
+    """Whether a tensor the mode leaves is updated as a weight is: an input from outside
+    any optimizer's state or module's buffers, every write an accumulation, with no decay
+    or a weight decay's (hand-written steps over torch.func's detached weights)."""
+    if _STATE_SOURCE.search(acc.name) or not all(w in sites for w in writes):
+        return False
+    steps = [st for w in writes for st in sites[w].steps if st.kind != "set"]
+    if not steps:
+        return False
+    b = _decay_factor(info, steps)
+    return b is None or b >= _WEIGHT_DECAY_MIN
 
 
 def _promised(

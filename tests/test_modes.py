@@ -537,3 +537,54 @@ def test_a_decay_next_to_a_write_the_pair_cannot_carry_is_named(mode):
     # the loss it names: in bf16 the decay of a typical exp_inf rounds back to itself
     x = torch.tensor(0.0123, dtype=torch.bfloat16)
     assert (x * 0.999).item() == x.item()
+
+
+def _sgd_by_hand(params, sums, grads, lr):
+    with torch.no_grad():
+        for k in params:
+            params[k].sub_(lr * grads[k])
+            sums[k].add_(grads[k] * grads[k])  # an Adagrad-like sum: state, left in light mode
+
+
+def _train_by_hand(dtype, requires_grad, backend):
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (32, 16), "b": (16,)}
+    init = {k: (torch.randn(s, generator=g) * 0.5).to(torch.bfloat16) for k, s in shapes.items()}
+    params = {k: v.to(dtype).requires_grad_(requires_grad) for k, v in init.items()}
+    sums = {k: torch.zeros_like(v) for k, v in params.items()}
+    step = torch.compile(_sgd_by_hand, backend=backend) if backend else _sgd_by_hand
+    for _ in range(100):
+        grads = {
+            k: (0.01 + 0.005 * torch.randn(s, generator=g)).to(dtype) for k, s in shapes.items()
+        }
+        step(params, sums, grads, 0.02)
+    return init, params
+
+
+def test_detached_weights_stepped_by_hand_are_named_and_requires_grad_upgrades_them():
+    """torch.func training over detached weights (requires_grad False), stepped by a
+    function of the user's: light mode cannot tell such a tensor from optimizer state and
+    leaves it in plain bf16, so it is named (updated by additions, from no optimizer's state
+    or module's buffers, in a graph that updates no parameter).  With requires_grad=True the
+    same tensors are parameters: compensated, and the Adagrad-like sum beside them, state
+    that light mode leaves by design, is not named."""
+    init, ref = _train_by_hand(torch.float64, False, None)
+    _, plain = _train_by_hand(torch.bfloat16, False, None)
+    with pytest.warns(collage_compile.CollageWarning, match="written the way a weight is") as rec:
+        _, left = _train_by_hand(torch.bfloat16, False, collage_compile.backend)
+    said = [str(r.message) for r in rec if "the way a weight" in str(r.message)]
+    # the sums are named too: a sum in a dict of the user's is all the backend sees of both
+    assert len(said) == 1 and "params.w" in said[0] and "params.b" in said[0], said
+    assert all(collage_compile.components(t)[1] is None for t in left.values())
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        _, paired = _train_by_hand(torch.bfloat16, True, collage_compile.backend)
+
+    def error(run, value):
+        cat = lambda d: torch.cat([value(d[k]).double().flatten() for k in sorted(d)])
+        return relative_error(cat(run), cat(ref), cat(init))
+
+    err = error(paired, collage_compile.value)
+    plain_err = error(plain, lambda t: t.detach())
+    assert err <= 0.02 and plain_err >= 0.5, (err, plain_err)
