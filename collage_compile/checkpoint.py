@@ -68,13 +68,18 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
 
     Call once per object, before saving or loading (calling again does nothing).  An
     optimizer carries the lo of its parameters and of its state tensors; a module the lo
-    of its parameters (use it for EMAs, which no optimizer holds).
+    of its parameters (use it for EMAs, which no optimizer holds).  A
+    ``ZeroRedundancyOptimizer`` is attached with its inner optimizer, whose state dicts its
+    own are gathered from.
     """
     for obj in objects:
         if obj in _attached:
             continue
         if isinstance(obj, torch.optim.Optimizer):
             _attached[obj] = _attach_optimizer(obj)
+            inner = getattr(obj, "optim", None)
+            if isinstance(inner, torch.optim.Optimizer) and inner is not obj:
+                attach(inner)
         elif isinstance(obj, torch.nn.Module):
             _attached[obj] = _attach_module(obj)
         else:
@@ -211,7 +216,7 @@ class _OptimizerHooks:
                 continue
             low = {
                 name: v
-                for name, v in opt.state.get(p, {}).items()
+                for name, v in (opt.state.get(p) or {}).items()
                 if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and not _ours(name)
             }
             # one kind per entry: exact if any of its tensors holds a remainder
@@ -233,6 +238,9 @@ class _OptimizerHooks:
         packed = {}
         without = []
         for i, entry in sd["state"].items():
+            if entry is None:  # ZeroRedundancyOptimizer: a parameter another rank steps
+                packed[i] = entry
+                continue
             ours = {k: v for k, v in entry.items() if _ours(k)}
             if ours:
                 self.pending[i] = ours
@@ -248,8 +256,23 @@ class _OptimizerHooks:
     def after_load(self, opt: torch.optim.Optimizer) -> None:
         for i, ours in self.pending.items():
             _restore_entry(opt, self.keys[i], ours)
+        _drop_inner_copies(opt, [self.keys[i] for i in self.pending])
         self.pending.clear()
         self.keys.clear()
+
+
+def _drop_inner_copies(opt: torch.optim.Optimizer, restored: list[torch.Tensor]) -> None:
+    """``ZeroRedundancyOptimizer.load_state_dict`` copies each entry of the checkpoint, ours
+    included, into its inner optimizer's state (``opt.optim``) before the load hooks run:
+    the copies of what was just restored are taken out, so that the inner optimizer's first
+    step does not find them and name them as lost (:func:`_drop_unrestored`)."""
+    inner = getattr(opt, "optim", None)
+    if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+        return
+    for p in restored:
+        entry = inner.state.get(p)
+        for key in [k for k in entry or () if _ours(k)]:
+            del entry[key]
 
 
 def _name_lost(
@@ -298,7 +321,7 @@ def _restore_entry(opt: torch.optim.Optimizer, p: torch.Tensor, ours: dict[str, 
         _restore(p, ours[LO], checksum, exact)
     for key, lo in ours.items():
         if key.startswith(LO + "."):
-            v = opt.state.get(p, {}).get(key[len(LO) + 1 :])
+            v = (opt.state.get(p) or {}).get(key[len(LO) + 1 :])
             if isinstance(v, torch.Tensor):
                 # state tensors were just loaded with their hi: nothing to wait for
                 _restore(v, lo, None, exact)
@@ -323,6 +346,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> int:
             lost.append(p)
             continue
         _restore_entry(optimizer, p, ours)
+        _drop_inner_copies(optimizer, [p])
         restored += 1
     if lost:
         _name_lost(
@@ -346,7 +370,7 @@ def _take_ours(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str,
     """The lo entries a load without the attach hooks left in the live state, taken out."""
     found: dict[torch.Tensor, dict[str, Any]] = {}
     for p, entry in optimizer.state.items():
-        keys = [k for k in entry if _ours(k)]
+        keys = [k for k in entry or () if _ours(k)]
         if keys:
             found[p] = {k: entry.pop(k) for k in keys}
     return found
@@ -381,6 +405,10 @@ def _warn_unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     flags = _guarded.get(opt)
     if opt in _attached or flags is None or len(flags) > 1:
         return  # attached, or said already
+    if getattr(opt, "optim", None) in _attached:
+        # a ZeroRedundancyOptimizer's state_dict() is its inner optimizer's (gathered by
+        # consolidate_state_dict, after these hooks run): the inner one saves each lo
+        return
     low = [p for p in _params_by_index(opt).values() if p.dtype in LOW_PRECISION]
     if not flags[0]:
         low = [p for p in low if state.get_lo(p) is not None]

@@ -179,6 +179,6 @@ def _name_optimizer_state() -> None:
         index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
         for p, st in opt.state.items():
             base = _given.get(p) or _learned.get(p) or f"state[{index.get(id(p), '?')}]"
-            for key, v in st.items():
+            for key, v in (st or {}).items():  # None: ZeRO, another rank's parameter
                 if isinstance(v, torch.Tensor):
                     _derived[v] = f"{base}.{key}"

@@ -82,7 +82,7 @@ class CollageOptimizersContainer(OptimizersContainer):
                 load_flat_optim_state_dict(optim, state_dict)
             finally:  # a load that failed leaves no placeholder behind
                 for p, name in listed:
-                    optim.state.get(p, {}).pop(name, None)
+                    (optim.state.get(p) or {}).pop(name, None)
 
 
 def _list_ours(optim: Any, flat: dict[str, Any]) -> list[tuple[Any, str]]:

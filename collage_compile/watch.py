@@ -346,7 +346,7 @@ def _limit_of_class(optimizer: Any) -> str | None:
 def _state_tensors(optimizer: Any, p: Any) -> list[torch.Tensor]:
     return [
         v
-        for v in optimizer.state.get(p, {}).values()
+        for v in (optimizer.state.get(p) or {}).values()
         if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
     ]
 
