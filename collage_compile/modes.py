@@ -87,9 +87,9 @@ def _name_a_promise(
         )
 
 
-# Dynamo's sources of optimizer state and module buffers: state by design in every mode
-# but "all", never taken for a weight
-_STATE_SOURCE = re.compile(r"\.state\[|\._buffers\[|\.param_groups\[")
+# Dynamo's sources of optimizer state, module buffers and gradients (scaled in place by
+# clip_grad_norm_): never taken for a weight
+_STATE_SOURCE = re.compile(r"\.state\[|\._buffers\[|\.param_groups\[|\.grad$")
 # a decay this close to 1 is a weight decay's 1 - lr*wd, not a moment's beta
 _WEIGHT_DECAY_MIN = 0.9999
 _LIKE_WEIGHTS = (
@@ -107,13 +107,16 @@ def _like_weights(
     info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any]
 ) -> bool:
     """Whether a tensor the mode leaves is updated as a weight is: an input from outside
-    any optimizer's state or module's buffers, every write an accumulation, with no decay
-    or a weight decay's (hand-written steps over torch.func's detached weights)."""
-    if _STATE_SOURCE.search(acc.name) or not all(w in sites for w in writes):
+    any optimizer's state, module's buffers and gradients, every write an accumulation that
+    adds, with no decay or a weight decay's (hand-written steps over torch.func's detached
+    weights)."""
+    if acc.example.dim() == 0 or _STATE_SOURCE.search(acc.name):
+        return False  # a 0-dim sum is a counter or a running loss, not a weight
+    if not all(w in sites for w in writes):
         return False
     steps = [st for w in writes for st in sites[w].steps if st.kind != "set"]
-    if not steps:
-        return False
+    if not any(st.kind == "add" for st in steps):
+        return False  # a weight's update adds to it: scaling alone is not one
     b = _decay_factor(info, steps)
     return b is None or b >= _WEIGHT_DECAY_MIN
 
