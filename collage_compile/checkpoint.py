@@ -225,6 +225,7 @@ class _OptimizerHooks:
             for name, v in low.items():
                 extra[f"{LO}.{name}"] = _lo_or_zeros(v, exact)
             packed[i] = {**packed.get(i, {}), **extra}
+        _warn_unsaved_pairs()
         return {**sd, "state": packed}
 
     def before_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +260,44 @@ class _OptimizerHooks:
         _drop_inner_copies(opt, [self.keys[i] for i in self.pending])
         self.pending.clear()
         self.keys.clear()
+
+
+def _warn_unsaved_pairs() -> None:
+    """Tensors carrying a pair on a storage that no attached optimizer (parameters, state)
+    or module (parameters) saves, nor an unattached optimizer that its own warning names
+    (:func:`_warn_unattached`): an EMA module whose attach was forgotten.  A checkpoint
+    taken now holds their hi alone.  Named once."""
+    covered: set[int] = set()
+    for obj in [*_attached.keys(), *_guarded.keys()]:
+        if isinstance(obj, torch.optim.Optimizer):
+            for p in (p for g in obj.param_groups for p in g["params"]):
+                covered.add(state.storage_of(p))
+                values = (obj.state.get(p) or {}).values()
+                covered.update(state.storage_of(v) for v in values if torch.is_tensor(v))
+        elif isinstance(obj, torch.nn.Module) and obj in _attached:
+            covered.update(state.storage_of(p) for p in obj.parameters())
+    missing = [x for ptr, xs in state.paired_storages().items() if ptr not in covered for x in xs]
+    if not missing:
+        return
+    from collage_compile import names
+    from collage_compile.diagnostics import warn_once
+
+    shown = [
+        names.display(x, f"a tensor {tuple(x.shape)}")
+        if torch.is_tensor(x)
+        else f"a tensor {tuple(x)}"
+        for x in missing
+    ]
+    more = f", and {len(shown) - 4} more" if len(shown) > 4 else ""
+    warn_once(
+        ("unsaved-pairs", *shown),
+        f"collage: {len(missing)} tensors carrying a (hi, lo) pair ({', '.join(shown[:4])}"
+        f"{more}) belong to no attached optimizer or module: a checkpoint taken now holds "
+        "their hi alone, and a run resumed from it restarts each lo from zero (up to half a "
+        "bf16 ulp per element, once; an EMA's lo holds what its small updates added). "
+        "Attach the module that holds them before saving (collage_compile.attach(ema)).",
+        stacklevel=4,
+    )
 
 
 def _drop_inner_copies(opt: torch.optim.Optimizer, restored: list[torch.Tensor]) -> None:
@@ -468,6 +507,7 @@ def _attach_module(module: torch.nn.Module) -> list[Any]:
                 # on the parameter (a label, no tensor: nothing is held twice)
                 p.__dict__.setdefault(_MODULE_LO[1:], "collage_compile lo, in state_dict()")
                 p.__dict__.setdefault(_MODULE_HI[1:], "collage_compile hi checksum")
+        _warn_unsaved_pairs()
 
     def before_load(mod: torch.nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
         pending.clear()

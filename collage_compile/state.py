@@ -73,6 +73,11 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return _compat.local_tensor(t).untyped_storage().data_ptr()
 
 
+def storage_of(t: torch.Tensor) -> int:
+    """The key of ``t``'s storage, as the registry keeps it (a DTensor: its shard's)."""
+    return _storage_ptr(t)
+
+
 def _view_key(t: torch.Tensor) -> tuple:
     local = _compat.local_tensor(t)
     return (
@@ -507,6 +512,22 @@ def clear() -> None:
         _stamps.clear()
         _versions.clear()
         _views_live_after_sweep = 0
+
+
+def paired_storages() -> dict[int, list[Any]]:
+    """Storage pointer -> what carries a pair on it: the live tensors registered by
+    identity, and the shapes of those registered by view (a compiled graph's inputs)."""
+    out: dict[int, list[Any]] = {}
+    with _lock:
+        _sweep_views()
+        refs = [ref for ref, _ in _entries.values()]
+        views = list(_by_view)
+    for t in (r() for r in refs):
+        if t is not None:
+            out.setdefault(_storage_ptr(t), []).append(t)
+    for key in views:
+        out.setdefault(key[0], []).append(key[2])
+    return out
 
 
 def count() -> int:

@@ -636,3 +636,40 @@ def test_a_loaded_ema_is_not_reported_as_written_from_outside():
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
         train(3)
+
+
+@pytest.mark.parametrize("attached", ["optimizer", "optimizer and ema"])
+def test_an_ema_left_out_of_attach_is_named_when_a_checkpoint_is_taken(attached):
+    """A checkpoint of an attached optimizer beside an EMA module whose weights carry pairs
+    but which was not attached holds the EMA's hi alone: a resumed EMA restarts each lo from
+    zero (0.26 of its movement off after 50 more steps, in the run that found it).  Saving
+    names those tensors once; attaching the EMA too saves them, with no warning."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    ema = torch.nn.Linear(16, 8).to(torch.bfloat16).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    collage_compile.compile_optimizer(opt, mode="plus")
+    collage_compile.attach(*((opt,) if attached == "optimizer" else (opt, ema)))
+
+    @torch.compile(backend=collage_compile.backend)
+    def ema_update():
+        torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 0.1)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 0.01
+            opt.step()
+            ema_update()
+        assert all(collage_compile.components(e)[1] is not None for e in ema.parameters())
+        saved = {"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict()}
+    said = [str(r.message) for r in record if r.category is collage_compile.CollageWarning]
+    if attached == "optimizer":
+        assert not any(k.endswith("_collage_lo") for k in saved["ema"])
+        assert len(said) == 1 and "2 tensors carrying a (hi, lo) pair" in said[0], said
+        assert "(8, 16)" in said[0] and "(8,)" in said[0] and "attach(ema)" in said[0], said
+    else:
+        assert sum(k.endswith("_collage_lo") for k in saved["ema"]) == 2
+        assert not said, said
