@@ -77,8 +77,8 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             continue
         if isinstance(obj, torch.optim.Optimizer):
             _attached[obj] = _attach_optimizer(obj)
-            inner = getattr(obj, "optim", None)
-            if isinstance(inner, torch.optim.Optimizer) and inner is not obj:
+            inner = _inner_optimizer(obj)
+            if inner is not None:
                 attach(inner)
         elif isinstance(obj, torch.nn.Module):
             _attached[obj] = _attach_module(obj)
@@ -86,6 +86,13 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             raise TypeError(
                 f"collage: attach() takes optimizers and modules, got {type(obj).__name__}"
             )
+
+
+def _inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer a ``ZeroRedundancyOptimizer`` steps its shard with (``opt.optim``):
+    its state dicts are the inner one's, and its load copies state into it."""
+    inner = getattr(opt, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) and inner is not opt else None
 
 
 def _is_exact(t: torch.Tensor) -> bool:
@@ -305,8 +312,8 @@ def _drop_inner_copies(opt: torch.optim.Optimizer, restored: list[torch.Tensor])
     included, into its inner optimizer's state (``opt.optim``) before the load hooks run:
     the copies of what was just restored are taken out, so that the inner optimizer's first
     step does not find them and name them as lost (:func:`_drop_unrestored`)."""
-    inner = getattr(opt, "optim", None)
-    if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+    inner = _inner_optimizer(opt)
+    if inner is None:
         return
     for p in restored:
         entry = inner.state.get(p)
@@ -444,7 +451,7 @@ def _warn_unattached(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     flags = _guarded.get(opt)
     if opt in _attached or flags is None or len(flags) > 1:
         return  # attached, or said already
-    if getattr(opt, "optim", None) in _attached:
+    if _inner_optimizer(opt) in _attached:
         # a ZeroRedundancyOptimizer's state_dict() is its inner optimizer's (gathered by
         # consolidate_state_dict, after these hooks run): the inner one saves each lo
         return

@@ -47,7 +47,7 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     """After matching: keep the claims of the tensors ``config.mode`` upgrades, and mark
     the others ineligible with the reason (their claims are dropped, their writes run as
     written and are not warned about: leaving them alone is the mode's promise, except
-    where :func:`_promised` or :func:`_like_weights` says the user would expect a pair)."""
+    where :func:`_name_a_promise` or :func:`_like_weights` says the user expects a pair)."""
     writes_of: dict[Accumulator, list[Any]] = {}
     for w in info.writes:
         writes_of.setdefault(w.acc, []).append(w)
@@ -76,9 +76,13 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
 def _name_a_promise(
     info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
 ) -> None:
-    """Warn where the mode promised ``acc`` a pair it cannot have, saying why."""
-    acc.warn = _promised(info, acc, writes, sites, config)
-    carried = _carried_kind(info, acc, writes, sites, config) if acc.warn else None
+    """Warn where the mode promised ``acc`` a pair it cannot have, saying why: under
+    ``"all"``, a write that rounds (every accumulator is promised); under any mode,
+    accumulations of a kind the mode carries next to a write it cannot carry (Adamax's
+    ``exp_inf``: ``mul_(beta2)``, then ``maximum(out=)``: in bf16 the decay rounds back)."""
+    carried = _carried_kind(info, acc, writes, sites, config)
+    rounds = config.mode == "all" and not all(w in sites or _exact(w) for w in writes)
+    acc.warn = rounds or carried is not None
     if carried:
         acc.reason += (
             f"; its other writes are {carried} that mode={config.mode!r} carries, run "
@@ -89,7 +93,7 @@ def _name_a_promise(
 
 # Dynamo's sources of optimizer state, module buffers and gradients (scaled in place by
 # clip_grad_norm_): never taken for a weight
-_STATE_SOURCE = re.compile(r"\.state\[|\._buffers\[|\.param_groups\[|\.grad$")
+_STATE_SOURCE = re.compile(r"\.state\[|\._buffers\[|\.grad$")
 # a decay this close to 1 is a weight decay's 1 - lr*wd, not a moment's beta
 _WEIGHT_DECAY_MIN = 0.9999
 _LIKE_WEIGHTS = (
@@ -119,18 +123,6 @@ def _like_weights(
         return False  # a weight's update adds to it: scaling alone is not one
     b = _decay_factor(info, steps)
     return b is None or b >= _WEIGHT_DECAY_MIN
-
-
-def _promised(
-    info: GraphInfo, acc: Accumulator, writes: list[Any], sites: dict[Any, Any], config: Any
-) -> bool:
-    """Whether the mode promised ``acc`` a pair that it cannot have: under ``"all"``, a
-    write that rounds (every accumulator is promised); under any mode, accumulations of
-    a kind the mode carries next to a write it cannot carry (Adamax's ``exp_inf``:
-    ``mul_(beta2)``, then ``maximum(out=)``: in bf16 the decay rounds back, and stays lost)."""
-    if config.mode == "all" and not all(w in sites or _exact(w) for w in writes):
-        return True
-    return _carried_kind(info, acc, writes, sites, config) is not None
 
 
 def _carried_kind(
