@@ -126,6 +126,7 @@ class Step:
         ``"lerp"``: value += ``args[1]`` * (``args[0]`` - value)
         ``"set"``: value = ``args[0]`` (an overwrite: the old lo is discarded; a source
         finer than the storage dtype keeps in lo what hi cannot hold, in fp32 arithmetic)
+        ``"max"``: value = max(value, ``args[0]``) (exact: the whole pair is compared)
     """
 
     kind: str

@@ -324,6 +324,17 @@ def dw_to_pair(s: Any, e: Any, dtype: torch.dtype, *, stored: bool = False) -> t
     return hi.to(dtype), lo.to(dtype)
 
 
+def pair_max(s: Any, e: Any, y: Any) -> tuple[Any, Any]:
+    """max(s + e, y) for a double-word (s, e) and an fp32 ``y``, as a double-word: the pair
+    where its whole value is at least ``y``, else ``(y, 0)``.  The sign of ``(s - y) + e``
+    is the comparison's: ``s - y`` is exact for storage values within 2^16 of each other
+    (two short significands), and rounding keeps a sum's sign.  NaN propagates as
+    ``torch.maximum``'s does (from either side); serves both arithmetics (in "storage"
+    the pair is normalized and ``y`` a storage value, so the result is one too)."""
+    take = ((s - y) + e < 0) | torch.isnan(y)
+    return torch.where(take, y, s), torch.where(take, 0.0, e)
+
+
 # --------------------------------------------------------------------------------------
 # "storage" arithmetic: the paper's operations, each rounded to the storage dtype.  The
 # pair is carried as fp32 tensors that hold storage-dtype values.

@@ -9,12 +9,13 @@ decides, here, whether the mode carries it as a pair:
 - an *average of weights* (``ema.lerp_(p, 1-d)``, ``ema.mul_(d).add_(p, alpha=1-d)``,
   ``torch._foreach_lerp_``, ``AveragedModel``, ASGD's ``ax += (p - ax) * mu``): every mode;
 - a *decay-style accumulator* ``x = b*x + (1-b)*y`` with ``b >= plus_min_decay`` (AdamW's
-  second moment at b = 0.999, RMSprop's at 0.99): ``"plus"`` and ``"all"``;
+  second moment at b = 0.999, RMSprop's at 0.99; Adamax's ``exp_inf = max(b*x, |g|)``):
+  ``"plus"`` and ``"all"``;
 - any other accumulator (momentum buffers, Adam's first moment, Adagrad sums): ``"all"``.
 
-A tensor that some write changes in a way that is not an accumulation (``max_exp_avg_sq``
-through ``torch.maximum``, a write through a view) is left alone in every mode, with the
-reason in the report: its arithmetic is exact or not ours to change.
+A tensor written only by overwrites and maxima (AMSGrad's ``max_exp_avg_sq``), or by a
+write that is not an accumulation (``clamp_``, a write through a view), is left alone in
+every mode, with the reason in the report: its arithmetic is exact or not ours to change.
 
 Why after matching, not before: whether ``v`` is AdamW's second moment or its first is
 visible only in the constants of its writes (``v.mul_(0.999)`` vs ``m.lerp_(g, 0.1)``).
@@ -41,6 +42,9 @@ from collage_compile.accumulators import (
 )
 from collage_compile.config import CollageConfig
 from collage_compile.passes._common import is_number, is_scalar_like, op_name
+
+# steps that round nothing: a tensor written by these alone accumulates nothing
+_EXACT_KINDS = frozenset({"set", "max"})
 
 
 def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
@@ -118,7 +122,7 @@ def _like_weights(
         return False  # a 0-dim sum is a counter or a running loss, not a weight
     if not all(w in sites for w in writes):
         return False
-    steps = [st for w in writes for st in sites[w].steps if st.kind != "set"]
+    steps = [st for w in writes for st in sites[w].steps if st.kind not in _EXACT_KINDS]
     if not any(st.kind == "add" for st in steps):
         return False  # a weight's update adds to it: scaling alone is not one
     b = _decay_factor(info, steps)
@@ -132,7 +136,9 @@ def _carried_kind(
     write of it is not an accumulation (None: no such mix)."""
     if all(w in sites for w in writes):
         return None
-    steps = [st for w in writes if w in sites for st in sites[w].steps if st.kind != "set"]
+    steps = [
+        st for w in writes if w in sites for st in sites[w].steps if st.kind not in _EXACT_KINDS
+    ]
     if not steps:
         return None
     kind = kind_of(info, acc, steps, config)
@@ -169,8 +175,8 @@ def _reason_to_leave(
             what = f"{w.op} of a view" if not w.full_alias else w.op
             return f"written by {what}, which is not an accumulation: left as written"
     steps = [s for w in writes for s in sites[w].steps]
-    if all(s.kind == "set" for s in steps):
-        return "only overwritten here (no accumulation): left as written"
+    if all(s.kind in _EXACT_KINDS for s in steps):
+        return "only overwritten or raised to a maximum here (no accumulation): left as written"
     if _carries(kind_of(info, acc, steps, config), config):
         return ""
     b = _decay_factor(info, steps)

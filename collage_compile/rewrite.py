@@ -83,6 +83,8 @@ def mcf_chain(
                 s, e = mcf.dw_add(s, e, ((f32(end) - s) - e) * f32(weight))
             elif kind == "set":
                 s, e = _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
+            elif kind == "max":
+                s, e = mcf.pair_max(s, e, _max_operand(hi, args[0]))
             else:
                 raise ValueError(f"unknown step kind {kind!r}")
         return mcf.dw_to_pair(s, e, dtype, stored=stored)
@@ -105,6 +107,8 @@ def mcf_chain(
             elif kind == "set":
                 a = mcf.round_to(_set_value(hi, args[0]), dtype)
                 r = torch.zeros_like(hi, dtype=torch.float32)
+            elif kind == "max":  # y rounded to storage first, as every storage operand is
+                a, r = mcf.pair_max(a, r, mcf.round_to(_max_operand(hi, args[0]), dtype))
             else:
                 raise ValueError(f"unknown step kind {kind!r}")
         return a.to(dtype), r.to(dtype)
@@ -128,6 +132,8 @@ def trace_steps(hi: Any, steps: list[tuple[str, tuple[Any, ...], Any]]) -> list[
             out.append(("lerp", (f32(args[0]), f32(args[1]))))
         elif kind == "set":
             out.append(("set", (_set_value(hi, args[0]),)))
+        elif kind == "max":
+            out.append(("max", (_max_operand(hi, args[0]),)))
         else:
             raise ValueError(f"unknown step kind {kind!r}")
     return out
@@ -141,6 +147,11 @@ def _set_value(hi: Any, src: Any) -> Any:
     if _is_tensor(src) or (is_scalar(src) and isinstance(src, fx.Proxy)):
         return f32(src).expand_as(hi)
     return torch.full_like(hi, float(src), dtype=torch.float32)
+
+
+def _max_operand(hi: Any, y: Any) -> Any:
+    """The ``y`` of a maximum in fp32, a tensor of ``hi``'s shape (a number fills one)."""
+    return torch.full_like(hi, float(y), dtype=torch.float32) if is_number(y) else f32(y)
 
 
 def _split_symbolic(hi: Any, c: Any) -> tuple[Any, Any]:

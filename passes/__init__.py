@@ -3,7 +3,8 @@
 1. ``lerp``      -- ``lerp_`` (EMA-style interpolation), also as Dynamo traces ``_foreach_lerp_``
 2. ``additive``  -- ``add_``, ``sub_``, ``addcdiv_``, ``addcmul_`` (method, ``+=`` and foreach forms)
 3. ``decay``     -- ``mul_``, ``div_``, ``neg_`` by a constant or tensor (weight decay)
-4. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
+4. ``maximum``   -- ``torch.maximum(x, y, out=x)``, ``_foreach_maximum_`` (Adamax's ``exp_inf``)
+5. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
 
 Before them, normalizations run on the graph where the configuration asks for them:
 
@@ -20,7 +21,7 @@ in place of the families' rewrite) and ``step_size`` in its exact form.
 
 After the rewrite, on every graph that holds a low-precision accumulator:
 
-5. ``scalars`` -- a hyperparameter a scheduler changes (lr, betas, momentum), which Dynamo
+6. ``scalars`` -- a hyperparameter a scheduler changes (lr, betas, momentum), which Dynamo
    passes as a float input, enters every op that is left as a 0-dim tensor, so that no op
    specializes it (one compile per learning rate, then eager execution)
 
@@ -45,6 +46,7 @@ from collage_compile.passes import (
     decay,
     eager_alpha,
     lerp,
+    maximum,
     promote,
     scalars,
     step_size,
@@ -54,6 +56,7 @@ FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
     ("lerp", lerp.match),
     ("additive", additive.match),
     ("decay", decay.match),
+    ("maximum", maximum.match),
     ("copy_expr", copy_expr.match),
 )
 

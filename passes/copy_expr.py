@@ -8,7 +8,8 @@ Before (single-tensor Adam's second moment, as Dynamo captures it)::
 
 The source is walked back to the tensor's current value through affine operations (``+``,
 ``-``, ``*``, ``/`` by something independent of it, ``fma``, ``addcdiv``, ``addcmul``,
-``lerp`` and dtype conversions); each becomes a :class:`Step`, so the copy above is the
+``lerp`` and dtype conversions) and ``torch.maximum`` (a step the pair carries exactly,
+:mod:`~collage_compile.passes.maximum`); each becomes a :class:`Step`, so the copy above is the
 additive step ``+ (g*g) * 0.001``, chained with the ``mul_`` before it::
 
     after: (hi, lo) = grow(mul((hi, lo), 0.999), (g*g).float() * 0.001)
@@ -34,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
-from collage_compile.accumulators import Accumulator, GraphInfo, Step, flat_nodes
+from collage_compile.accumulators import Accumulator, Element, GraphInfo, Step, flat_nodes
 from collage_compile.passes._common import bind, f32, is_number, scale
 from collage_compile.passes.decay import divisor_step
 
@@ -96,6 +97,7 @@ _NEG = {operator.neg, torch.neg, "neg", torch.Tensor.neg}
 _ADDCDIV = {torch.addcdiv, "addcdiv"}
 _ADDCMUL = {torch.addcmul, "addcmul"}
 _LERP = {torch.lerp, "lerp"}
+_MAXIMUM = {torch.maximum, "maximum"}
 _TRANSPARENT_METHODS = {
     "float",
     "bfloat16",
@@ -127,6 +129,7 @@ def _neg_sig(input: Any) -> None: ...
 def _fma_sig(a: Any, b: Any, c: Any) -> None: ...
 def _addc_sig(input: Any, tensor1: Any, tensor2: Any, value: Any = 1) -> None: ...
 def _lerp_sig(input: Any, end: Any, weight: Any) -> None: ...
+def _max_sig(input: Any, other: Any) -> None: ...
 
 
 def _product(a: Any, b: Any) -> Any:
@@ -143,6 +146,12 @@ def _scaled(x: Any, factor: Any) -> Any:
 
 def _addcmul_update(a: Any, b: Any, value: Any = 1) -> Any:
     return scale(f32(a) * f32(b), value)
+
+
+def reads_tensor(info: GraphInfo, acc: Accumulator, x: Any) -> bool:
+    """Whether ``x`` (a node, an element of a foreach list, a constant) is computed from
+    ``acc`` through any view of its storage (an element: from its whole list)."""
+    return _Walker(info, acc, len(info.positions)).depends(x.node if isinstance(x, Element) else x)
 
 
 class _Walker:
@@ -321,6 +330,12 @@ def _lerp_readings(key: Any, b: tuple[Any, ...]) -> Reading:
     yield "lerp", x, [Step("lerp", (end, weight))], (end, weight)
 
 
+def _max_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, y = b  # not affine, but a step the pair carries exactly (passes/maximum.py)
+    yield "maximum", x, [Step("max", (y,))], (y,)
+    yield "maximum", y, [Step("max", (x,))], (x,)
+
+
 _READINGS = (
     (_ADD | _SUB, _add_sig, _add_readings),
     (_MUL, _mul_sig, _mul_readings),
@@ -328,6 +343,7 @@ _READINGS = (
     (_NEG, _neg_sig, _neg_readings),
     (_ADDCDIV | _ADDCMUL, _addc_sig, _addc_readings),
     (_LERP, _lerp_sig, _lerp_readings),
+    (_MAXIMUM, _max_sig, _max_readings),
 )
 
 

@@ -119,7 +119,7 @@ def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
     assert _entry(every, "state[0][1]").applied and _entry(every, "state[0][2]").applied
     for entries in (plus, every):
         maximum = _entry(entries, "state[0][3]")  # max_exp_avg_sq, written by torch.maximum(out=)
-        assert not maximum.applied and "not an accumulation" in maximum.reason
+        assert not maximum.applied and "raised to a maximum" in maximum.reason
         step = _entry(entries, "state[0][0]")
         assert not step.applied and "float32 is not low precision" in step.reason
     # the tensors themselves: a lo holding something where the report says upgraded
@@ -514,27 +514,89 @@ def test_all_mode_warns_about_state_it_cannot_carry_and_not_about_exact_writes()
     assert not any(" on m " in msg for msg in messages), messages
 
 
+def _adamax_run(dtype, mode=None, foreach=True):
+    """Adamax over a matrix and a vector: five steps of gradients ~1, then 145 of ~0.02,
+    so that ``exp_inf`` holds the large ones and must decay from them by 0.999 a step.
+    Returns the weights' and exp_inf's full values (hi + lo) and the starting weights."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (16,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in shapes]
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in params]
+    start = [p.detach().double().clone() for p in params]
+    opt = torch.optim.Adamax(params, lr=1e-3, foreach=foreach)
+    if mode:
+        collage_compile.compile_optimizer(opt, mode=mode)
+    for i in range(150):
+        scale = 1.0 if i < 5 else 0.02
+        for p, s in zip(params, shapes):
+            p.grad = (scale * torch.randn(s, generator=g)).to(torch.bfloat16).to(dtype)
+        opt.step()
+    exp_infs = [opt.state[p]["exp_inf"] for p in params]
+    return _flat_values(params), _flat_values(exp_infs), torch.cat([s.flatten() for s in start])
+
+
+def _flat_values(tensors):
+    return torch.cat([collage_compile.value(t).double().flatten() for t in tensors])
+
+
+@pytest.mark.parametrize("mode, foreach", [("plus", True), ("all", False)])
+def test_adamax_exp_inf_decays_as_float64_under_plus_and_all(mode, foreach):
+    """Adamax's ``exp_inf = maximum(exp_inf * 0.999, |g| + eps)``: in plain bf16 the decay
+    rounds back to ``exp_inf`` (it holds the largest gradient it ever saw); plus and all
+    carry the decay and compare the pair's whole value in the maximum, so exp_inf follows
+    float64's.  Both of torch's forms (``_foreach_maximum_``, ``maximum(out=)``), no warning."""
+    w64, e64, start = _adamax_run(torch.float64)
+    w_plain, e_plain, _ = _adamax_run(torch.bfloat16, foreach=foreach)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        w, e, _ = _adamax_run(torch.bfloat16, mode, foreach)
+    err_e = ((e - e64).norm() / e64.norm()).item()
+    err_e_plain = ((e_plain - e64).norm() / e64.norm()).item()
+    err_w, err_w_plain = relative_error(w, w64, start), relative_error(w_plain, w64, start)
+    print(f"Adamax {mode}: exp_inf {err_e:.2e} (plain {err_e_plain:.3f}), weights {err_w:.2e}")
+    assert err_e_plain > 0.1  # the stream exercises the loss: plain bf16's never decays
+    assert err_e < 1e-3 and err_e_plain > 100 * err_e
+    assert err_w < 0.03 and err_w_plain > 0.5
+
+
+def test_a_tensor_raised_to_a_maximum_alone_carries_no_pair():
+    """AMSGrad's ``max_exp_avg_sq``, written by ``maximum`` alone, rounds nothing: no mode
+    gives it a lo (a maximum of the decayed pair is compared whole; of two storage values it
+    is exact)."""
+    p = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+    opt = torch.optim.Adam([p], lr=1e-3, amsgrad=True, foreach=True)
+    collage_compile.compile_optimizer(opt, mode="all")
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert collage_compile.components(opt.state[p]["max_exp_avg_sq"])[1] is None
+    assert collage_compile.components(opt.state[p]["exp_avg_sq"])[1] is not None
+
+
+def _decay_then_clamp(xs, gs):
+    torch._foreach_mul_(xs, 0.999)
+    torch._foreach_add_(xs, gs, alpha=0.001)
+    torch._foreach_clamp_max_(xs, 0.5)
+
+
 @pytest.mark.parametrize("mode", ["plus", "all"])
 def test_a_decay_next_to_a_write_the_pair_cannot_carry_is_named(mode):
-    """Adamax's ``exp_inf = maximum(exp_inf * beta2, |g| + eps)``: plus and all carry a
-    decay by 0.999, but not the maximum written over it, so exp_inf stays plain bf16, where
-    ``x * 0.999`` rounds back to ``x`` (the state never decays).  That is named once for
-    the step's tensors, with the decay; light, which promises no optimizer state, is silent."""
-    params = [torch.nn.Parameter(torch.rand(s).to(torch.bfloat16)) for s in ((16, 8), (8,))]
-    opt = torch.optim.Adamax(params, lr=1e-3, foreach=True)
-    collage_compile.compile_optimizer(opt, mode=mode)
-    for p in params:
-        p.grad = torch.full_like(p, 0.01)
+    """A second moment ``x = 0.999*x + 0.001*g`` that is then clamped: plus and all carry
+    the decay, but not the clamp written over it, so x stays plain bf16, where ``x * 0.999``
+    rounds back to ``x``.  That is named once for the step's tensors, with the decay."""
+    xs = [torch.rand(s).to(torch.bfloat16) for s in ((16, 8), (8,))]
+    gs = [torch.full_like(x, 0.01) for x in xs]
+    step = torch.compile(_decay_then_clamp, backend=collage_compile.make_backend(mode=mode))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", collage_compile.CollageWarning)
-        opt.step()
-        opt.step()  # once, not per step
+        step(xs, gs)
+        step(xs, gs)  # once, not per step
     said = [str(r.message) for r in record if r.category is collage_compile.CollageWarning]
     assert len(said) == 1, said
-    assert "state[0].exp_inf" in said[0] and "state[1].exp_inf" in said[0], said
+    assert "xs[0] (shape [16, 8]" in said[0] and "xs[1] (shape [8]" in said[0], said
     assert f"a decay by 0.999 that mode='{mode}' carries" in said[0], said
-    assert all(collage_compile.components(opt.state[p]["exp_inf"])[1] is None for p in params)
-    # the loss it names: in bf16 the decay of a typical exp_inf rounds back to itself
+    assert all(collage_compile.components(x)[1] is None for x in xs)
+    # the loss it names: in bf16 the decay of a typical value rounds back to itself
     x = torch.tensor(0.0123, dtype=torch.bfloat16)
     assert (x * 0.999).item() == x.item()
 
