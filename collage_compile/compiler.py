@@ -288,17 +288,7 @@ def _compile_analyzed(
             for a in upgraded
         ],
     )
-    # Tensors this graph writes without a chain: an unsupported write to a tensor with no
-    # chain here, or a write to a tensor passed in that is not upgraded (it may be p.data
-    # of a parameter carrying a pair).  Any pair on their memory no longer matches its hi:
-    # the wrapper zeroes its lo after the call.
-    unchained = list(
-        {
-            w.acc: None
-            for w in info.writes
-            if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
-        }
-    )
+    unchained = _unchained(info, unsupported, upgraded)
     _warn_returned_averages(info)
     if not chains and not any(normalized.values()):
         log.debug(
@@ -314,6 +304,22 @@ def _compile_analyzed(
     )
     return _compile_chains(
         gm, info, chains, upgraded, unsupported, unchained, example_inputs, config
+    )
+
+
+def _unchained(
+    info: GraphInfo, unsupported: list[Any], upgraded: list[Accumulator]
+) -> list[Accumulator]:
+    """Tensors this graph writes without a chain: an unsupported write to a tensor with no
+    chain here, or a write to a tensor passed in that is not upgraded (it may be ``p.data``
+    of a parameter carrying a pair).  Any pair on their memory no longer matches its hi:
+    the wrapper zeroes its lo after the call."""
+    return list(
+        {
+            w.acc: None
+            for w in info.writes
+            if (w in unsupported and w.acc not in upgraded) or _may_alias_a_pair(w.acc)
+        }
     )
 
 
