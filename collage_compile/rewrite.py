@@ -72,47 +72,58 @@ def mcf_chain(
     if arithmetic == "fp32":
         s, e = mcf.dw_from_pair(hi, lo)
         for kind, args, fn in steps:
-            if kind == "add":
-                s, e = mcf.dw_add(s, e, fn(*args))
-            elif kind == "mul":
-                s, e = mcf.dw_mul(s, e, *_factor_and_change(hi, args, fn))
-            elif kind == "div":
-                s, e = mcf.dw_div(s, e, f32(args[0]))
-            elif kind == "lerp":
-                end, weight = args
-                s, e = mcf.dw_add(s, e, ((f32(end) - s) - e) * f32(weight))
-            elif kind == "set":
-                s, e = _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
-            elif kind == "max":
-                s, e = mcf.pair_max(s, e, _max_operand(hi, args[0]))
-            else:
-                raise ValueError(f"unknown step kind {kind!r}")
+            s, e = _fp32_step(hi, s, e, kind, args, fn)
         return mcf.dw_to_pair(s, e, dtype, stored=stored)
     if arithmetic == "storage":
         a, r = hi.float(), lo.float()
         for kind, args, fn in steps:
-            if kind == "add":
-                u = fn(*args)
-                if not _is_tensor(u):  # a Python scalar added to every element
-                    u = torch.full_like(a, float(u)) if is_number(u) else f32(u)
-                a, r = mcf.storage_add(a, r, u, dtype)
-            elif kind == "mul":
-                c_hi, c_lo = _factor_storage(hi, args, fn, dtype)
-                a, r = mcf.storage_mul(a, r, c_hi, c_lo, dtype)
-            elif kind == "div":
-                a, r = mcf.storage_div(a, r, f32(args[0]), dtype)
-            elif kind == "lerp":
-                end, weight = args
-                a, r = mcf.storage_add(a, r, ((f32(end) - a) - r) * f32(weight), dtype)
-            elif kind == "set":
-                a = mcf.round_to(_set_value(hi, args[0]), dtype)
-                r = torch.zeros_like(hi, dtype=torch.float32)
-            elif kind == "max":  # y rounded to storage first, as every storage operand is
-                a, r = mcf.pair_max(a, r, mcf.round_to(_max_operand(hi, args[0]), dtype))
-            else:
-                raise ValueError(f"unknown step kind {kind!r}")
+            a, r = _storage_step(hi, a, r, kind, args, fn, dtype)
         return a.to(dtype), r.to(dtype)
     raise ValueError(f"unknown arithmetic {arithmetic!r}")
+
+
+def _fp32_step(hi: Any, s: Any, e: Any, kind: str, args: Any, fn: Any) -> tuple[Any, Any]:
+    """One step on the fp32 double-word (s, e); ``hi`` gives shapes and the storage dtype."""
+    if kind == "add":
+        return mcf.dw_add(s, e, fn(*args))
+    if kind == "mul":
+        return mcf.dw_mul(s, e, *_factor_and_change(hi, args, fn))
+    if kind == "div":
+        return mcf.dw_div(s, e, f32(args[0]))
+    if kind == "lerp":
+        end, weight = args
+        return mcf.dw_add(s, e, ((f32(end) - s) - e) * f32(weight))
+    if kind == "set":
+        return _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
+    if kind == "max":
+        return mcf.pair_max(s, e, _max_operand(hi, args[0]))
+    raise ValueError(f"unknown step kind {kind!r}")
+
+
+def _storage_step(
+    hi: Any, a: Any, r: Any, kind: str, args: Any, fn: Any, dtype: torch.dtype
+) -> tuple[Any, Any]:
+    """One step of the paper's arithmetic on (a, r), fp32 tensors holding ``dtype`` values."""
+    if kind == "add":
+        u = fn(*args)
+        if not _is_tensor(u):  # a Python scalar added to every element
+            u = torch.full_like(a, float(u)) if is_number(u) else f32(u)
+        return mcf.storage_add(a, r, u, dtype)
+    if kind == "mul":
+        c_hi, c_lo = _factor_storage(hi, args, fn, dtype)
+        return mcf.storage_mul(a, r, c_hi, c_lo, dtype)
+    if kind == "div":
+        return mcf.storage_div(a, r, f32(args[0]), dtype)
+    if kind == "lerp":
+        end, weight = args
+        return mcf.storage_add(a, r, ((f32(end) - a) - r) * f32(weight), dtype)
+    if kind == "set":
+        return mcf.round_to(_set_value(hi, args[0]), dtype), torch.zeros_like(
+            hi, dtype=torch.float32
+        )
+    if kind == "max":  # y rounded to storage first, as every storage operand is
+        return mcf.pair_max(a, r, mcf.round_to(_max_operand(hi, args[0]), dtype))
+    raise ValueError(f"unknown step kind {kind!r}")
 
 
 def trace_steps(hi: Any, steps: list[tuple[str, tuple[Any, ...], Any]]) -> list[tuple[str, Any]]:
