@@ -56,11 +56,12 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     for w in info.writes:
         writes_of.setdefault(w.acc, []).append(w)
     like_weights = []
+    averaged_with_weights = _averaged_beside_weights(info, ctx.sites)
     for acc, writes in writes_of.items():
         if config.mode == "off":
             reason = "mode='off' upgrades nothing: plain low-precision arithmetic"
-        elif acc.is_weight:  # a parameter, or an alias of a pair's tensor
-            continue
+        elif acc.is_weight or acc in averaged_with_weights:
+            continue  # a parameter, an alias of a pair's tensor, an EMA's buffer
         else:
             reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if not reason:
@@ -262,6 +263,21 @@ _ALIAS_OPS = {
     "getitem",
     *VIEW_METHODS,
 }
+
+
+def _averaged_beside_weights(info: GraphInfo, sites: dict[Any, Any]) -> set[Accumulator]:
+    """Tensors a foreach write updates alongside averages of weights, the same way: an EMA
+    of a model averages its buffers in the same ``_foreach_lerp_`` as its parameters
+    (AveragedModel(use_buffers=True), timm's ModelEmaV3), and a buffer (BatchNorm's running
+    statistics), passed detached and carrying no pair, is known by that company alone."""
+    nodes = {
+        w.node
+        for w in info.writes
+        if w.index is not None
+        and w in sites
+        and any(_averages_weights(info, w.acc, st) for st in sites[w].steps)
+    }
+    return {w.acc for w in info.writes if w.node in nodes and w in sites}
 
 
 def _averages_weights(info: GraphInfo, acc: Accumulator, step: Step) -> bool:

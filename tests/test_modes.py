@@ -325,6 +325,43 @@ def test_averaged_model_with_ema_multi_avg_fn_is_upgraded():
     assert all(collage_compile.components(e)[1] is not None for e in ema.module.parameters())
 
 
+def test_an_ema_of_a_model_averages_its_batchnorm_statistics_in_light_mode():
+    """AveragedModel(use_buffers=True) lerps the model's buffers in the same
+    ``_foreach_lerp_`` as its parameters.  BatchNorm's running statistics are buffers,
+    passed detached with no pair: light carries their average for the company they keep,
+    so the EMA's running mean tracks a float64 EMA of the same statistics (plain bf16's
+    lerp by 0.001 rounds back, and its EMA never moves)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():  # statistics settled before the EMA starts, as in a long run
+        for _ in range(50):
+            model((torch.randn(32, 16) + 8.0).to(torch.bfloat16))
+    make = lambda: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
+    ema, plain_ema = make(), make()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt_step = torch.compile(opt.step, backend=collage_compile.backend)
+    update = torch.compile(ema.update_parameters, backend=collage_compile.backend)
+    bn, ema_bn, plain_bn = model[0], ema.module[0], plain_ema.module[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        for t in range(200):
+            x = (torch.randn(32, 16) + 8.0 + 0.01 * t).to(torch.bfloat16)  # they drift
+            model(x).float().square().mean().backward()
+            opt_step()
+            update(model)
+            plain_ema.update_parameters(model)
+            if t == 0:  # the first call copies
+                start = ema_bn.running_mean.double().clone()
+                ref = start.clone()
+                continue
+            ref.lerp_(bn.running_mean.double(), 0.001)
+    err = relative_error(collage_compile.value(ema_bn.running_mean), ref, start)
+    plain_err = relative_error(plain_bn.running_mean, ref, start)
+    print(f"EMA of BatchNorm's running mean: collage {err:.2e}  plain bf16 {plain_err:.2e}")
+    assert err <= 0.02 and plain_err >= 0.5
+
+
 @pytest.mark.parametrize("form", ["ema_avg_fn", "swa_default", "own_avg_fn"])
 def test_averaged_model_whose_write_runs_outside_the_graph_is_named(form):
     """With ``avg_fn`` (and the default SWA average on a CPU, which has no foreach path),
