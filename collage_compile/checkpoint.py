@@ -70,12 +70,15 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
     optimizer carries the lo of its parameters and of its state tensors; a module the lo
     of its parameters (use it for EMAs, which no optimizer holds).  A
     ``ZeroRedundancyOptimizer`` is attached with its inner optimizer, whose state dicts its
-    own are gathered from.
+    own are gathered from; accelerate's ``AcceleratedOptimizer`` (a wrapper that holds
+    the optimizer as ``.optimizer``) through the optimizer it wraps.
     """
     for obj in objects:
         if obj in _attached:
             continue
-        if isinstance(obj, torch.optim.Optimizer):
+        if unwrap(obj) is not obj:  # accelerate's wrapper: its state dicts are the inner one's
+            attach(unwrap(obj))
+        elif isinstance(obj, torch.optim.Optimizer):
             _attached[obj] = _attach_optimizer(obj)
             inner = _inner_optimizer(obj)
             if inner is not None:
@@ -86,6 +89,19 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             raise TypeError(
                 f"collage: attach() takes optimizers and modules, got {type(obj).__name__}"
             )
+
+
+def unwrap(optimizer: Any) -> Any:
+    """The optimizer whose step does the arithmetic inside forwarding wrappers: accelerate's
+    ``AcceleratedOptimizer`` (a ``torch.optim.Optimizer`` subclass that never runs its
+    ``__init__``, so it has no hooks of its own) and the like, which hold it as
+    ``.optimizer``.  ``optimizer`` itself when it wraps none."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer | None:

@@ -153,13 +153,9 @@ def _go_first(callback: CollageCallback) -> None:
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (and the like)."""
-    # AcceleratedOptimizer subclasses torch.optim.Optimizer itself: unwrap while there is
-    # an inner optimizer, so the compiled step is the one that does the arithmetic
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
+    from collage_compile.checkpoint import unwrap
+
+    optimizer = unwrap(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("collage: the Trainer's optimizer wraps no torch.optim.Optimizer")
     return optimizer

@@ -39,7 +39,9 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     """Compile ``optimizer.step`` with the collage backend (``options``: those of
     :func:`collage_compile.make_backend`) and install it as the optimizer's ``step``.
 
-    Returns the optimizer.  Calling it again with the same options does nothing; with
+    Returns the optimizer.  A wrapper that holds the optimizer as ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer``) has that one compiled, its own step left eager
+    (it calls the compiled one).  Calling it again with the same options does nothing; with
     other options it raises ``ValueError`` (a compiled step keeps the options it was
     compiled with: build a new optimizer for others).  ``step(closure)`` calls the
     closure eagerly (with grad enabled, as torch.optim does), then the compiled step, and
@@ -59,6 +61,10 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     """
     from collage_compile import _compat, checkpoint, compiler, names, replay, watch
 
+    inner = checkpoint.unwrap(optimizer)
+    if inner is not optimizer:  # the wrapper's own step (gradient sync, skips) stays eager
+        compile_optimizer(inner, **options)
+        return optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"collage: compile_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"

@@ -133,6 +133,49 @@ def test_tensors_in_param_groups_are_parameters_without_requires_grad(backend):
     assert err <= 0.02 and plain_err >= max(0.5, 25 * err)
 
 
+def test_an_accelerate_wrapped_optimizer_is_compiled_and_attached_through_the_one_it_wraps():
+    """accelerate's AcceleratedOptimizer subclasses Optimizer without running its
+    ``__init__`` (no hooks of its own): ``compile_optimizer`` and ``attach`` crashed on it
+    (AttributeError).  Both now go to the optimizer it wraps; its own step, which calls
+    that one, stays eager.  Compensated against float64, and its state dict saves each lo."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        _accelerate_wrapped_run(Accelerator(cpu=True))
+    finally:  # accelerate's state is global: the Trainer tests make their own
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def _accelerate_wrapped_run(accelerator):
+    torch.manual_seed(0)
+    params = _params(3, 1.0, torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    start = [p.detach().double().clone() for p in params]
+    wrapped = accelerator.prepare(torch.optim.AdamW(params, lr=1e-5))
+    ref_opt, plain_opt = torch.optim.AdamW(ref, lr=1e-5), torch.optim.AdamW(plain, lr=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        assert collage_compile.compile_optimizer(wrapped, mode="plus") is wrapped
+        collage_compile.attach(wrapped)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(100):
+            for p, r, q in zip(params, ref, plain):
+                grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+                p.grad, r.grad, q.grad = grad, grad.double(), grad.clone()
+            wrapped.step()
+            ref_opt.step()
+            plain_opt.step()
+        saved = wrapped.state_dict()
+    flat = lambda ts: torch.cat([t.flatten() for t in ts])
+    err = relative_error(flat([mcf_value(p) for p in params]), flat(ref), flat(start))
+    plain_err = relative_error(flat(plain), flat(ref), flat(start))
+    assert err <= 0.05 and plain_err >= max(0.5, 25 * err), (err, plain_err)  # bf16 exp_avg
+    assert any("collage" in str(k) for k in saved["state"][0]), saved["state"][0].keys()
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 def test_adamw_follows_a_float64_adamw_fed_the_same_grads(foreach):
     """lr=1e-5, weight_decay=0.01, 150 steps, weights N(0,1): the issue's AdamW criterion.
