@@ -73,7 +73,6 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
         _same_options(optimizer, options)
         return optimizer
     _refuse_untraceable(optimizer)
-    _warn_if_nothing_to_upgrade(optimizer, options)
     names.remember(optimizer)  # its state named in reports
     watch.install()
     _count(optimizer, _compat.dynamo_resets())
@@ -120,6 +119,8 @@ def _install(
             _refuse_compiling_in_backward(self)
             first.clear()
             _scheduled_dynamic(self)
+            # the dtypes the step runs on (a model cast to bf16 after compile_optimizer)
+            _warn_if_nothing_to_upgrade(self, options)
         if closure is None:
             with _room(self):
                 return compiled(*args, **kwargs)
@@ -261,8 +262,9 @@ def _warn_if_nothing_to_upgrade(optimizer: torch.optim.Optimizer, options: dict[
     dtype = str(params[0].dtype).replace("torch.", "")
     warn_once(
         ("nothing-to-upgrade", name, dtype),
-        f"collage: {name} holds no bf16 or fp16 parameter (they are {dtype}): there is "
-        f"nothing to compensate, and its step runs as plain Inductor would run it. For "
+        f"collage: {name} holds no bf16 or fp16 parameter at its first step (they are "
+        f"{dtype}): there is nothing to compensate, and its step runs as plain Inductor "
+        f"would run it (parameters cast to bf16 later are compensated from then on). For "
         f"bf16 weights without an fp32 copy, make the parameters bf16 (model.to(torch."
         f"bfloat16); Lightning precision='bf16-true'; torchtitan training.dtype='bfloat16').",
         stacklevel=4,
