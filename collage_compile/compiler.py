@@ -33,7 +33,17 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from collage_compile import _compat, names, remainder, replay, report, schedules, state, watch
+from collage_compile import (
+    _compat,
+    decays,
+    names,
+    remainder,
+    replay,
+    report,
+    schedules,
+    state,
+    watch,
+)
 from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
@@ -302,9 +312,30 @@ def _compile_analyzed(
         len(upgraded),
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
-    return _compile_chains(
+    out = _compile_chains(
         gm, info, chains, upgraded, unsupported, unchained, example_inputs, config
     )
+    out.decay_watches = _decay_watches(info, ctx.scheduled_decays)
+    out.plus_min_decay = config.plus_min_decay
+    return out
+
+
+def _decay_watches(info: GraphInfo, scheduled: list[Any]) -> list[decays.DecayWatch]:
+    """One watch per scheduled decay that plus left tensors for (:mod:`decays`), naming
+    them; a decay this cannot evaluate from the graph's float inputs is not watched."""
+    from collage_compile import modes
+
+    found: dict[tuple[Any, bool], decays.DecayWatch | None] = {}
+    for acc, node, lerp in scheduled:
+        if (node, lerp) not in found:
+            b = modes._number(info, node)
+            b = None if b is None else (1.0 - b if lerp else b)
+            found[node, lerp] = (
+                None if b is None else decays.watch_for(node, lerp, info.placeholders, b)
+            )
+        if found[node, lerp] is not None:
+            found[node, lerp].names.append(acc.describe())
+    return [w for w in found.values() if w is not None]
 
 
 def _unchained(
@@ -634,6 +665,9 @@ class _LoInputs:
         self.exact = exact  # lo inputs are exact remainders (mode="exact")
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
+        # decays a schedule changes, for which plus left tensors (set by the compiler)
+        self.decay_watches: list[decays.DecayWatch] = []
+        self.plus_min_decay = 1.0
         self._index(upgraded, unchained, readers)
         self._init_layouts()
 
@@ -795,6 +829,8 @@ class _LoInputs:
         self._epoch = state.epoch()
 
     def __call__(self, *args: Any) -> Any:
+        if self.decay_watches:
+            decays.check_all(self.decay_watches, args, self.plus_min_decay)
         tensors = self._attr_tensors()
         call_los = self._los_for_call(args, tensors)
         wrote = self._written_ids

@@ -66,6 +66,8 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
             reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if not reason:
             continue
+        if config.mode == "plus":
+            _watch_a_scheduled_decay(info, acc, writes, ctx)
         acc.eligible, acc.reason = False, reason
         if config.mode != "off":
             _name_a_promise(info, acc, writes, ctx.sites, config)
@@ -128,6 +130,22 @@ def _like_weights(
         return False  # a weight's update adds to it: scaling alone is not one
     b = _decay_factor(info, steps)
     return b is None or b >= _WEIGHT_DECAY_MIN
+
+
+def _watch_a_scheduled_decay(
+    info: GraphInfo, acc: Accumulator, writes: list[Any], ctx: Any
+) -> None:
+    """Plus leaves ``acc`` for its decay now: where that decay is a graph input (a
+    schedule), the compiled step watches it (:mod:`collage_compile.decays`)."""
+    if not all(w in ctx.sites for w in writes):
+        return
+    for st in (st for w in writes for st in ctx.sites[w].steps):
+        if st.kind == "mul" and st.update is None and isinstance(st.args[0], fx.Node):
+            ctx.scheduled_decays.append((acc, st.args[0], False))
+            return
+        if st.kind == "lerp" and isinstance(st.args[1], fx.Node):
+            ctx.scheduled_decays.append((acc, st.args[1], True))
+            return
 
 
 def _carried_kind(

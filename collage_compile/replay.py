@@ -376,6 +376,9 @@ class _Plan:
         self.device = next(iter(devices))
         self.none = list(map(_IS_NONE, map(_GRAD, self.params)))
         self.scalars: list[tuple[torch.Tensor, int, tuple[Any, ...]]] = []
+        # wrappers watching a scheduled decay (compiler: decays), with where in param_groups
+        # each float input they read is
+        self.decay_checks: list[tuple[Any, dict[int, tuple[int, tuple[Any, ...]]]]] = []
         # guards on those floats: (function, where each argument is, the guard)
         self.guards: list[tuple[Callable[..., bool], list[tuple[Any, ...]], str]] = []
         self.grad_params: list[torch.Tensor] = []
@@ -503,6 +506,18 @@ class _Plan:
                 ):
                     raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
         self._guard_checks(wrapper, paths)
+        if getattr(wrapper, "decay_watches", None):
+            self.decay_checks.append(
+                (
+                    wrapper,
+                    {
+                        i: (g, keys)
+                        for t, g, keys in self.scalars
+                        for i in statics
+                        if statics[i] is t
+                    },
+                )
+            )
         inputs += los
         return inputs
 
@@ -644,6 +659,17 @@ class _Plan:
             now = list(map(_compat.local_tensor, now))
         torch._foreach_copy_(self.static_locals, now)
 
+    def _check_decays(self, wrapper: Any, paths: dict[int, tuple[int, tuple[Any, ...]]]) -> None:
+        """A wrapper's scheduled decays (:mod:`collage_compile.decays`), read from
+        param_groups as the replay fills them: the wrapper's own check is not called."""
+        groups = self.optimizer.param_groups
+
+        def value_of(i: int) -> float:
+            return float(_lookup(groups, *paths[i])) if i in paths else float("nan")
+
+        for watch in wrapper.decay_watches:
+            watch.check(value_of, wrapper.plus_min_decay)
+
     def refresh(self) -> None:
         """The floats the graphs read, filled from param_groups."""
         groups = self.optimizer.param_groups
@@ -653,6 +679,8 @@ class _Plan:
     def run(self) -> None:
         """The replay, after :meth:`stale` passed and copied the gradients."""
         self.refresh()
+        for wrapper, paths in self.decay_checks:
+            self._check_decays(wrapper, paths)
         if self.graph is not None:
             self.graph.replay()
             # as the compiled step's wrappers bump them (autograd's check of a tensor saved

@@ -228,6 +228,8 @@ class MatchContext:
     def __init__(self, info: GraphInfo):
         self.info = info
         self.sites: dict[Write, Site] = {}
+        # (tensor, decay node, a lerp's weight?) plus left for a decay a schedule changes
+        self.scheduled_decays: list[tuple[Accumulator, fx.Node, bool]] = []
 
     def unclaimed(self) -> Iterator[Write]:
         for w in self.info.writes:

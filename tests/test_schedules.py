@@ -330,3 +330,44 @@ def test_an_ema_decay_schedule_stays_dynamic():
     assert counter.frame_count <= 3
     assert err <= 0.03
     assert plain_err >= max(0.3, 10 * err)
+
+
+def _beta2_warmup(mode, cudagraphs=False, **options):
+    """AdamW under a beta2 warmup, 0.95 to 0.999 by 0.001 a step, and a beta1 that a
+    schedule also moves (0.85 to 0.95, as OneCycleLR's cycled momentum): the CollageWarnings
+    and whether exp_avg_sq ends with a lo."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 16, generator=g).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.85, 0.95), foreach=True)
+    collage_compile.compile_optimizer(opt, mode=mode, cudagraphs=cudagraphs, **options)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for t in range(60):
+            opt.param_groups[0]["betas"] = (
+                0.85 + 0.1 * (t % 10) / 10,
+                min(0.999, 0.95 + 0.001 * t),
+            )
+            p.grad = (1e-3 * torch.randn(16, 16, generator=g)).to(torch.bfloat16)
+            opt.step()
+    said = [str(w.message) for w in rec if w.category is collage_compile.CollageWarning]
+    return said, collage_compile.components(opt.state[p]["exp_avg_sq"])[1] is not None
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True], ids=["compiled", "replayed"])
+def test_a_beta2_warmup_past_plus_min_decay_is_named_once(cudagraphs):
+    """Plus reads a decay when it compiles; a scheduled beta2 is a graph input compiled
+    once, at 0.951, so the second moment stays plain bf16 after the warmup reaches 0.999,
+    where bf16 rounds its decay away.  The step watches the decay it left the tensor for
+    and names it once it reaches plus_min_decay (from param_groups where the step is
+    replayed); beta1's schedule, which never gets there, says nothing."""
+    said, carried = _beta2_warmup("plus", cudagraphs)
+    assert len(said) == 1, said
+    assert "state[0].exp_avg_sq" in said[0] and "is 0.99 now" in said[0], said
+    assert "when its decay was 0.951" in said[0] and "mode='all'" in said[0], said
+    assert not carried
+
+
+@pytest.mark.parametrize("mode, options", [("all", {}), ("plus", {"plus_min_decay": 0.95})])
+def test_the_remedies_for_a_beta2_warmup_carry_the_second_moment_unwarned(mode, options):
+    said, carried = _beta2_warmup(mode, **options)
+    assert said == [] and carried
