@@ -57,6 +57,7 @@ __all__ = [
     "dw_to_pair",
     "fast2sum",
     "grow",
+    "load_pair",
     "mul",
     "renormalize",
     "round_to",
@@ -252,9 +253,30 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
 # "fp32" arithmetic: an fp32 double-word (s, e) carries the pair through a chain of steps.
 
 
-def dw_from_pair(hi: Any, lo: Any) -> tuple[Any, Any]:
-    """Load a storage pair into an fp32 double-word (exact)."""
-    return hi.float(), lo.float()
+def dw_from_pair(hi: Any, lo: Any, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """Load a storage pair into an fp32 double-word (exact), lo where it can belong to hi
+    (:func:`load_pair`)."""
+    return load_pair(hi, lo, dtype or hi.dtype)
+
+
+def load_pair(hi: Any, lo: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """``(hi, lo)`` in fp32, each lo that cannot belong to its hi read as 0.
+
+    Every pair this module writes has ``|lo| <= ulp(hi)/2 <= |hi| * 2^-p`` (p the storage
+    significand's bits; for fp16 below its smallest normal, lo is under a subnormal step;
+    bf16's subnormals, below 1e-38, are left out, and lose a lo of at most 2^-134).  A hi
+    written where no check sees it (``p.data.zero_()``, ``p.data.copy_(new)``: ``.data``
+    has a version counter of its own) keeps the old lo, which for smaller new values can
+    be larger than the new value's rounding (after a zeroing, all of it): such a lo is
+    dropped here, elementwise, so what a stale lo can add is bounded by the new hi's own
+    rounding.  Five operations a load (bf16), in the kernel that already reads both.
+    """
+    p, emin = _format(dtype)
+    h, low = hi.float(), lo.float()
+    bound = h.abs() * 2.0**-p
+    if dtype == torch.float16:  # its subnormals (below 6e-5: a second moment's range)
+        bound = bound + 2.0 ** (emin - p + 1)
+    return h, torch.where(low.abs() <= bound, low, 0.0)
 
 
 def dw_add(s: Any, e: Any, u: Any) -> tuple[Any, Any]:
@@ -398,7 +420,7 @@ def grow(hi: Any, lo: Any, update: Any, arithmetic: str = "fp32") -> tuple[Any, 
         s, e = dw_add(*dw_from_pair(hi, lo), update.float())
         return dw_to_pair(s, e, dtype)
     if arithmetic == "storage":
-        a, r = storage_add(hi.float(), lo.float(), update.float(), dtype)
+        a, r = storage_add(*load_pair(hi, lo, dtype), update.float(), dtype)
         return a.to(dtype), r.to(dtype)
     raise ValueError(f"unknown arithmetic {arithmetic!r}")
 
@@ -411,7 +433,7 @@ def mul(hi: Any, lo: Any, c: float, arithmetic: str = "fp32") -> tuple[Any, Any]
         return dw_to_pair(s, e, dtype)
     if arithmetic == "storage":
         c_hi, c_lo = split_constant(c, dtype)
-        a, r = storage_mul(hi.float(), lo.float(), c_hi, c_lo, dtype)
+        a, r = storage_mul(*load_pair(hi, lo, dtype), c_hi, c_lo, dtype)
         return a.to(dtype), r.to(dtype)
     raise ValueError(f"unknown arithmetic {arithmetic!r}")
 
@@ -441,4 +463,5 @@ def value(hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
     """The fp32 value the pair stands for, ``hi + lo`` (``hi`` alone where there is no lo)."""
     if lo is None:
         return hi.float()
-    return hi.float() + lo.float()
+    h, low = load_pair(hi, lo, hi.dtype)
+    return h + low

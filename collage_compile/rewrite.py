@@ -70,12 +70,12 @@ def mcf_chain(
     """
     dtype = dtype or hi.dtype
     if arithmetic == "fp32":
-        s, e = mcf.dw_from_pair(hi, lo)
+        s, e = mcf.dw_from_pair(hi, lo, dtype)
         for kind, args, fn in steps:
             s, e = _fp32_step(hi, s, e, kind, args, fn)
         return mcf.dw_to_pair(s, e, dtype, stored=stored)
     if arithmetic == "storage":
-        a, r = hi.float(), lo.float()
+        a, r = mcf.load_pair(hi, lo, dtype)
         for kind, args, fn in steps:
             a, r = _storage_step(hi, a, r, kind, args, fn, dtype)
         return a.to(dtype), r.to(dtype)
@@ -301,7 +301,11 @@ class _Emitter:
                 out.append(self.proxy(self.scalars[a, self.device]))
                 continue
             lo = self._lo_of(info, a, own)
-            out.append(self.proxy(a) if lo is None else self.proxy(a).float() + lo.float())
+            if lo is None:
+                out.append(self.proxy(a))
+            else:  # the pair's whole value, as a chain loads its own
+                h, low = mcf.load_pair(self.proxy(a), lo, _dtype_of(a))
+                out.append(h + low)
         return tuple(out)
 
     def _lo_of(self, info: GraphInfo, x: Any, own: Accumulator) -> Any:
@@ -325,6 +329,13 @@ class _Emitter:
 _VIEW_FUNCTIONS = frozenset(
     {operator.getitem, torch.reshape, torch.t, torch.transpose, torch.permute, torch.flatten}
 )
+
+
+def _dtype_of(x: Any) -> torch.dtype:
+    """The dtype of an operand's value (a node, or an element of a list-valued one)."""
+    if isinstance(x, Element):
+        return _compat.example_value(x.node)[x.index].dtype
+    return _compat.example_value(x).dtype
 
 
 def _view_of(x: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -718,7 +729,8 @@ class _ChainWriter:
             else:
                 new_hi, new_lo = mcf_chain(hi, lo, steps, self.arithmetic, acc.dtype, stored=stored)
                 if measure:
-                    self.measured.append((acc, _step_sums(hi, lo, new_hi, new_lo, steps)))
+                    sums = _step_sums(hi, lo, new_hi, new_lo, steps, acc.dtype)
+                    self.measured.append((acc, sums))
             hi.copy_(new_hi)
             lo.copy_(new_lo)
         if outline and not made:
@@ -733,12 +745,14 @@ class _ChainWriter:
         _tag(first_new, last, chain)
 
 
-def _step_sums(hi: Any, lo: Any, new_hi: Any, new_lo: Any, steps: list[Any]) -> fx.Node:
+def _step_sums(
+    hi: Any, lo: Any, new_hi: Any, new_lo: Any, steps: list[Any], dtype: torch.dtype
+) -> fx.Node:
     """The node of ``metrics.step_sums`` for a parameter's chain: old and new pair, and the
     update the steps intended."""
     from collage_compile import metrics as _metrics
 
-    old_hi, old_lo = hi.float(), lo.float()
+    old_hi, old_lo = mcf.load_pair(hi, lo, dtype)
     delta = _metrics.intended_delta(old_hi, old_lo, trace_steps(hi, steps))
     return _metrics.step_sums(old_hi, old_lo, new_hi, new_lo, delta).node
 

@@ -176,7 +176,8 @@ def test_inductor_walks_few_more_loop_bodies_than_for_plain_bf16(foreach):
     # each reader and every output was computed into a buffer and copied: plus had 39
     # nodes / 1701 body nodes here (foreach), light 33 / 693, plain Inductor 18 / 300.
     # Measured at 109632e (torch 2.13): foreach plus 33 / 573, light 27 / 453; single-tensor
-    # plus 39 / 678, light 33 / 555, plain 24 / 402.
+    # plus 39 / 678, light 33 / 555, plain 24 / 402.  Since each load checks that lo
+    # belongs to hi (mcf.load_pair: five ops a load), about 8 % more.
     n_params = 3
     plain_nodes, plain_ops = _loop_bodies(None, foreach)
     light_nodes, light_ops = _loop_bodies("light", foreach)
@@ -191,7 +192,7 @@ def test_inductor_walks_few_more_loop_bodies_than_for_plain_bf16(foreach):
     assert light_nodes <= plain_nodes + 3 * n_params, (light_nodes, plain_nodes)
     assert plus_nodes <= plain_nodes + 5 * n_params, (plus_nodes, plain_nodes)
     assert light_ops <= 1.6 * plain_ops, (light_ops, plain_ops)
-    assert plus_ops <= 2.0 * plain_ops, (plus_ops, plain_ops)
+    assert plus_ops <= 2.2 * plain_ops, (plus_ops, plain_ops)
 
 
 def _canonical(gm: torch.fx.GraphModule) -> str:

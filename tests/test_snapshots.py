@@ -63,22 +63,28 @@ class chain_0(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type_1, mul);  convert_element_type_1 = mul = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(where, mul_1);  where = mul_1 = None
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add)
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
-        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, add_1);  mul_1 = None
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_1);  mul_2 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, add_1)
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, sub);  add_2 = sub = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
-        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
         add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add);  sub_2 = add = None
         convert_element_type_3: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_1, torch.bfloat16);  add_1 = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor);  lt = add_3 = scalar_tensor = None
-        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor_1);  lt = add_3 = scalar_tensor_1 = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_1, torch.bfloat16);  where_1 = None
         return (convert_element_type_3, convert_element_type_4)""",
         )
 
@@ -100,22 +106,28 @@ class chain_0(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type_1, mul);  convert_element_type_1 = mul = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_2, -0.001);  convert_element_type_2 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(where, mul_1);  where = mul_1 = None
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add)
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
-        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, add_1);  mul_1 = None
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_1);  mul_2 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, add_1)
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, sub);  add_2 = sub = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
-        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
         add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add);  sub_2 = add = None
         convert_element_type_3: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_1, torch.bfloat16);  add_1 = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor);  lt = add_3 = scalar_tensor = None
-        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor_1);  lt = add_3 = scalar_tensor_1 = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_1, torch.bfloat16);  where_1 = None
         return (convert_element_type_3, convert_element_type_4)""",
         )
 
@@ -159,26 +171,32 @@ class chain_0(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]", arg3_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_1, 0.9999899864196777);  convert_element_type_1 = None
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(where, 0.9999899864196777);  where = None
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, mul_2);  mul_1 = mul_2 = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
         convert_element_type_3: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg3_1, torch.float32);  arg3_1 = None
         div: "f32[2, 3]" = torch.ops.aten.div.Tensor(convert_element_type_2, convert_element_type_3);  convert_element_type_2 = convert_element_type_3 = None
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, div);  add = div = None
         add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add_1)
-        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
-        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_2);  mul_2 = None
+        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_3, add_2);  mul_3 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, add_2)
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, sub);  add_3 = sub = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
-        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
         add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add_1);  sub_2 = add_1 = None
         convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_2, torch.bfloat16);  add_2 = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor);  lt = add_4 = scalar_tensor = None
-        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor_1);  lt = add_4 = scalar_tensor_1 = None
+        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_1, torch.bfloat16);  where_1 = None
         return (convert_element_type_4, convert_element_type_5)""",
         )
 
@@ -227,26 +245,32 @@ class chain_0(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]", arg3_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_1, 0.9999899864196777);  convert_element_type_1 = None
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(where, 0.9999899864196777);  where = None
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -9.999999747378752e-06)
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, mul_2);  mul_1 = mul_2 = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
         convert_element_type_3: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg3_1, torch.float32);  arg3_1 = None
         div: "f32[2, 3]" = torch.ops.aten.div.Tensor(convert_element_type_2, convert_element_type_3);  convert_element_type_2 = convert_element_type_3 = None
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, div);  add = div = None
         add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add_1)
-        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
-        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_2);  mul_2 = None
+        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_3, add_2);  mul_3 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, add_2)
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, sub);  add_3 = sub = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
-        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
         add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add_1);  sub_2 = add_1 = None
         convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_2, torch.bfloat16);  add_2 = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor);  lt = add_4 = scalar_tensor = None
-        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_4, scalar_tensor_1);  lt = add_4 = scalar_tensor_1 = None
+        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_1, torch.bfloat16);  where_1 = None
         return (convert_element_type_4, convert_element_type_5)""",
         )
 
@@ -294,52 +318,64 @@ class chain_0(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type_1, 0.9990000128746033);  convert_element_type_1 = None
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -0.0010000000474974513)
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(where, 0.9990000128746033);  where = None
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(convert_element_type, -0.0010000000474974513)
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, mul_2);  mul_1 = mul_2 = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, convert_element_type_2)
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub, add);  sub = None
         lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(add_1, 0);  add_1 = None
         isnan: "b8[2, 3]" = torch.ops.aten.isnan.default(convert_element_type_2)
         bitwise_or: "b8[2, 3]" = torch.ops.aten.bitwise_or.Tensor(lt, isnan);  lt = isnan = None
-        where: "f32[2, 3]" = torch.ops.aten.where.self(bitwise_or, convert_element_type_2, convert_element_type);  convert_element_type_2 = convert_element_type = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where_1: "f32[2, 3]" = torch.ops.aten.where.self(bitwise_or, scalar_tensor, add);  bitwise_or = scalar_tensor = add = None
-        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(where, where_1)
-        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
-        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_2, add_2);  mul_2 = None
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(bitwise_or, convert_element_type_2, convert_element_type);  convert_element_type_2 = convert_element_type = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_2: "f32[2, 3]" = torch.ops.aten.where.self(bitwise_or, scalar_tensor_1, add);  bitwise_or = scalar_tensor_1 = add = None
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(where_1, where_2)
+        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_2, 65536.0)
+        add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_3, add_2);  mul_3 = None
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, add_2)
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_3, sub_1);  add_3 = sub_1 = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_2)
-        lt_1: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
-        sub_3: "f32[2, 3]" = torch.ops.aten.sub.Tensor(where, sub_2);  where = sub_2 = None
-        add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_3, where_1);  sub_3 = where_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_2)
+        lt_1: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
+        sub_3: "f32[2, 3]" = torch.ops.aten.sub.Tensor(where_1, sub_2);  where_1 = sub_2 = None
+        add_4: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_3, where_2);  sub_3 = where_2 = None
         convert_element_type_3: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_2, torch.bfloat16);  add_2 = None
-        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where_2: "f32[2, 3]" = torch.ops.aten.where.self(lt_1, add_4, scalar_tensor_1);  lt_1 = add_4 = scalar_tensor_1 = None
-        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_2, torch.bfloat16);  where_2 = None
+        scalar_tensor_2: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_3: "f32[2, 3]" = torch.ops.aten.where.self(lt_1, add_4, scalar_tensor_2);  lt_1 = add_4 = scalar_tensor_2 = None
+        convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_3, torch.bfloat16);  where_3 = None
         return (convert_element_type_3, convert_element_type_4)
 class chain_1(torch.nn.Module):
     def forward(self, arg0_1: "bf16[2, 3]", arg1_1: "bf16[2, 3]", arg2_1: "bf16[2, 3]", arg3_1: "bf16[2, 3]"):
         convert_element_type: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg0_1, torch.float32);  arg0_1 = None
         convert_element_type_1: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg1_1, torch.float32);  arg1_1 = None
+        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(abs_1, 0.00390625);  abs_1 = None
+        abs_2: "f32[2, 3]" = torch.ops.aten.abs.default(convert_element_type_1)
+        le: "b8[2, 3]" = torch.ops.aten.le.Tensor(abs_2, mul);  abs_2 = mul = None
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 3]" = torch.ops.aten.where.self(le, convert_element_type_1, scalar_tensor);  le = convert_element_type_1 = scalar_tensor = None
         convert_element_type_2: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg2_1, torch.float32);  arg2_1 = None
         convert_element_type_3: "f32[2, 3]" = torch.ops.prims.convert_element_type.default(arg3_1, torch.float32);  arg3_1 = None
         div: "f32[2, 3]" = torch.ops.aten.div.Tensor(convert_element_type_2, convert_element_type_3);  convert_element_type_2 = convert_element_type_3 = None
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type_1, div);  convert_element_type_1 = div = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(where, div);  where = div = None
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(convert_element_type, add)
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
-        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, add_1);  mul = None
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add_1, 65536.0)
+        add_2: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, add_1);  mul_1 = None
         sub: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, add_1)
         sub_1: "f32[2, 3]" = torch.ops.aten.sub.Tensor(add_2, sub);  add_2 = sub = None
-        abs_1: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
-        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_1, inf);  abs_1 = None
+        abs_3: "f32[2, 3]" = torch.ops.aten.abs.default(sub_1)
+        lt: "b8[2, 3]" = torch.ops.aten.lt.Scalar(abs_3, inf);  abs_3 = None
         sub_2: "f32[2, 3]" = torch.ops.aten.sub.Tensor(convert_element_type, sub_1);  convert_element_type = sub_1 = None
         add_3: "f32[2, 3]" = torch.ops.aten.add.Tensor(sub_2, add);  sub_2 = add = None
         convert_element_type_4: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(add_1, torch.bfloat16);  add_1 = None
-        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
-        where: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor);  lt = add_3 = scalar_tensor = None
-        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where, torch.bfloat16);  where = None
+        scalar_tensor_1: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where_1: "f32[2, 3]" = torch.ops.aten.where.self(lt, add_3, scalar_tensor_1);  lt = add_3 = scalar_tensor_1 = None
+        convert_element_type_5: "bf16[2, 3]" = torch.ops.prims.convert_element_type.default(where_1, torch.bfloat16);  where_1 = None
         return (convert_element_type_4, convert_element_type_5)""",
         )
