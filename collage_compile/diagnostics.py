@@ -14,6 +14,7 @@ class CollageWarning(UserWarning):
 
 
 _warned: set[tuple[str, ...]] = set()
+_seen: dict[tuple[str, ...], int] = {}
 _lock = threading.Lock()
 
 
@@ -28,6 +29,15 @@ def warn_once(key: tuple[str, ...], message: str, stacklevel: int = 2) -> bool:
     return True
 
 
+def occurrence(key: tuple[str, ...]) -> int:
+    """How many times ``key`` has been seen, this one included (until
+    :func:`reset_warnings`): a cause said once and again when it recurs."""
+    with _lock:
+        _seen[key] = _seen.get(key, 0) + 1
+        return _seen[key]
+
+
 def reset_warnings() -> None:
     with _lock:
         _warned.clear()
+        _seen.clear()

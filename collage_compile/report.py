@@ -263,8 +263,11 @@ def _why(write: Any, fused: dict[Any, str]) -> str:
             "construct the optimizer with foreach=True (or foreach=False) instead"
         )
     if not write.full_alias:
-        return "the write goes through a view of the tensor; lo restarts from zero after it"
-    return f"{write.op} is not an accumulation the backend can carry exactly; lo restarts from zero after it"
+        return "the write goes through a view of the tensor; lo restarts from zero after it, every call"
+    return (
+        f"{write.op} is not an accumulation the backend can carry exactly; lo restarts from "
+        "zero after it, every call"
+    )
 
 
 _reports_lock = threading.Lock()

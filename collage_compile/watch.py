@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from collage_compile import _compat, names, state
+from collage_compile import _compat, diagnostics, names, state
 from collage_compile.diagnostics import warn_once
 from collage_compile.mcf import LOW_PRECISION
 
@@ -438,10 +438,27 @@ def _sweep() -> None:
         outside_writes([names.display(owner, f"tensor {tuple(owner.shape)}")], why)
 
 
+# writes from outside seen this many times, per what the warning names, are said again:
+# a write on every step (SAM's perturbation undone eagerly, a hook after the step)
+_RECURRING = 3
+
+
 def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
     """Tensors carrying a pair were written outside a compiled step (found by the sweep or
-    by a compiled step's check, ``key`` naming the graph): say so once."""
+    by a compiled step's check, ``key`` naming the graph): say so once, and once more
+    when it recurs (each write restarts lo: a write every step leaves no compensation)."""
     listed = ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+    count = diagnostics.occurrence(("outside-write", key or shown[0]))
+    if count == _RECURRING:
+        warn_once(
+            ("outside-write-recurs", key or shown[0]),
+            f"collage: {listed} {'was' if len(shown) == 1 else 'were'} written outside every "
+            f"collage-compiled step again, {count} times now: each such write restarts "
+            f"the lo, so a write on every step (a perturbation undone eagerly, as SAM's; a "
+            f"hook after the step) leaves the tensor uncompensated. Compile the code that "
+            f"writes it with the backend (torch.compile(fn, backend='collage')).",
+            stacklevel=3,
+        )
     warn_once(
         ("outside-write", key or shown[0]),
         f"collage: {listed} carrying a (hi, lo) pair {'was' if len(shown) == 1 else 'were'} "

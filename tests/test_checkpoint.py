@@ -552,6 +552,29 @@ def test_a_write_through_data_keeps_no_lo_beyond_the_new_values_rounding(kind):
         assert not kept[stale != 0].any() and (off.abs() < 1e-6).all()
 
 
+def test_a_write_from_outside_on_every_step_is_named_again_when_it_recurs():
+    """SAM's perturbation, applied and undone eagerly around a compiled step: each undo is
+    a write from outside, after which lo restarts, so no step keeps its compensation.  The
+    first write is named once; its recurrence, which a one-time warning let pass as a
+    one-off, is named once more (on the third), and only once."""
+    p = torch.nn.Parameter(torch.randn(256).to(torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    collage_compile.compile_optimizer(opt)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for _ in range(6):
+            p.grad = torch.randn_like(p) * 1e-3
+            e = p.grad * 0.05
+            with torch.no_grad():
+                p.add_(e)  # the ascent step, eager
+                p.sub_(e)  # and back
+            opt.step()
+    said = [str(w.message) for w in rec if w.category is collage_compile.CollageWarning]
+    assert len(said) == 2, said
+    assert "written outside every collage-compiled step (" in said[0], said
+    assert "again, 3 times now" in said[1] and "uncompensated" in said[1], said
+
+
 def test_rewriting_the_same_values_from_outside_keeps_lo():
     """A write that leaves hi as it was (``p.data.copy_(p.data.clone())``) keeps the pair:
     the probe sees equal values and the version counter of ``.data`` is its own."""
