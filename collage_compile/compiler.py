@@ -44,7 +44,7 @@ from collage_compile import (
     state,
     watch,
 )
-from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr
+from collage_compile.accumulators import Accumulator, GraphInfo, fetch_attr, written_nodes
 from collage_compile.config import CollageConfig
 from collage_compile.metrics import GraphMetrics, Row, measuring_now
 
@@ -304,7 +304,8 @@ def _compile_analyzed(
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
-        return _compile_unrewritten(original, gm, example_inputs, config, unchained)
+        writes = _writes_parameters(gm)
+        return _compile_unrewritten(original, gm, example_inputs, config, unchained, writes)
     log.debug(
         "collage: rewriting %d sites in %d chains on %d tensors (%s)",
         sum(len(c.sites) for c in chains),
@@ -381,11 +382,15 @@ def _compile_unrewritten(
     example_inputs: Sequence[Any],
     config: CollageConfig,
     unchained: list[Accumulator],
+    writes_params: bool = False,
 ) -> Callable[..., Any]:
     """A graph with no chain, compiled as plain Inductor would, but for the floats a
     schedule changes, which stay inputs here too (an fp32 optimizer under a schedule: one
     compile per lr filled the recompile limit its bf16 twin shares, a step's code); the
-    wrapper still zeroes the lo of a pair on memory it writes (``unchained``)."""
+    wrapper still zeroes the lo of a pair on memory it writes (``unchained``).  A step
+    over fp32 parameters is watched for a parameter changed under it: ``model.to(
+    torch.bfloat16)`` after compiled fp32 steps reused the step, which read bf16 memory as
+    fp32 and crashed the process (plain Inductor too); it raises, naming the tensor."""
     from collage_compile import passes
 
     if any(passes.finalize(gm).values()):
@@ -394,7 +399,22 @@ def _compile_unrewritten(
     compiled = _compat.compile_with_inductor(
         _without_step_ticks(original), example_inputs, cudagraphs=config.inductor_cudagraphs
     )
-    return _LoInputs(compiled, [], unchained) if unchained else compiled
+    if not (unchained or writes_params):
+        return compiled
+    out = _LoInputs(compiled, [], unchained)
+    if writes_params:
+        out.watch_layouts(gm, every_dim=True)
+    return out
+
+
+def _writes_parameters(gm: fx.GraphModule) -> bool:
+    """Whether the graph writes a parameter it holds (an optimizer step, of any dtype)."""
+    params = {
+        n
+        for n in gm.graph.find_nodes(op="get_attr")
+        if isinstance(fetch_attr(gm, str(n.target)), torch.nn.Parameter)
+    }
+    return bool(params) and any(w in params for node in gm.graph.nodes for w in written_nodes(node))
 
 
 def _compile_chains(
@@ -718,21 +738,22 @@ class _LoInputs:
         self._fixed: list[tuple[weakref.ref, tuple[Any, ...], str]] = []
         self._fixed_ptrs: list[int] = []
 
-    def watch_layouts(self, gm: fx.GraphModule) -> None:
+    def watch_layouts(self, gm: fx.GraphModule, every_dim: bool = False) -> None:
         """Watch the other parameters ``gm`` holds (a weight a chain only reads, an fp32
         weight stepped beside the pairs) as the attrs are watched (:meth:`_refresh`).
         Dynamo guards an optimizer's parameters by identity alone, and the backend turns
         off Inductor's input asserts (:func:`_compat.no_input_asserts_patch`), so a weight
         swapped under the same Parameter (``model.to(memory_format=...)``,
         ``module.half()``, ``p.data = ...``) would be read as the graph was compiled for.
-        A parameter of one dimension has no other layout and is left out: per call, one
-        comparison of data pointers, over none of the weights of a bf16 language model."""
+        A parameter of one dimension has no other layout and is left out (``every_dim``:
+        not, for its dtype: a step over fp32 parameters alone): per call, one comparison of
+        data pointers, over none of the weights of a bf16 language model."""
         seen = {id(t) for t in (r() for r in self._attr_refs) if t is not None}
         for node in gm.graph.find_nodes(op="get_attr"):
             t = fetch_attr(gm, str(node.target))
             if (
                 isinstance(t, torch.nn.Parameter)
-                and t.dim() >= 2
+                and (t.dim() >= 2 or every_dim)
                 and not _compat.is_dtensor(t)  # its shard's strides Dynamo guards
                 and id(t) not in seen
             ):

@@ -304,6 +304,33 @@ def test_an_fp32_weight_stepped_beside_the_pairs_is_watched_for_a_new_layout_too
     assert torch.allclose(model[0].weight, twin[0].weight, rtol=0, atol=1e-5)
 
 
+def test_an_fp32_model_cast_to_bf16_after_compiled_steps_raises_instead_of_crashing():
+    """Steps compiled over fp32 parameters (nothing to compensate) are reused after
+    ``model.to(torch.bfloat16)``: Dynamo does not re-check an optimizer's parameters, and
+    the fp32 kernels read bf16 memory as fp32 (garbage, or a segfault; plain Inductor
+    too).  The step now raises, naming the tensor; after ``torch._dynamo.reset()`` it
+    compiles for bf16 and is compensated."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", collage_compile.CollageWarning)  # fp32: nothing to do
+        collage_compile.compile_optimizer(opt)
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01)
+            opt.step()
+    model.to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.01)
+    with pytest.raises(RuntimeError, match=r"params\[0\].* is now bfloat16"):
+        opt.step()
+    torch._dynamo.reset()
+    opt.step()
+    assert all(collage_compile.components(p)[1] is not None for p in model.parameters())
+    assert all(p.float().abs().max() < 1 for p in model.parameters())
+
+
 def test_module_float_mid_run_names_the_lo_it_lost_and_trains_on_in_fp32():
     """``model.float()`` mid-run widens hi alone: what the lo held is lost, once.  Named
     as that (a new-user test found it reported as a step run without the backend, with
