@@ -185,10 +185,20 @@ def test_parameters_cast_to_bf16_after_compile_optimizer_are_compensated_unwarne
 def _adamw_against_float64(params, step, steps=100):
     """``step`` (an AdamW at lr 1e-5 over the bf16 ``params``) beside float64's and plain
     bf16's AdamW fed the same gradients: (its distance from float64, plain bf16's)."""
+    ref, plain, start = _adamw_stream(params, step, steps)
+    flat = lambda ts: torch.cat([t.flatten() for t in ts])
+    err = relative_error(flat([mcf_value(p) for p in params]), flat(ref), flat(start))
+    return err, relative_error(flat(plain), flat(ref), flat(start))
+
+
+def _adamw_stream(params, step, steps, weight_decay=0.0, foreach=None):
+    """Run ``step`` over ``params`` ``steps`` times on gradients ~0.01, beside a float64
+    AdamW (its own float64 state) and a plain bf16 one fed the same: (ref, plain, start)."""
     ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
     plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
     start = [p.detach().double().clone() for p in params]
-    ref_opt, plain_opt = torch.optim.AdamW(ref, lr=1e-5), torch.optim.AdamW(plain, lr=1e-5)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=weight_decay, foreach=False)
+    plain_opt = torch.optim.AdamW(plain, lr=1e-5, weight_decay=weight_decay, foreach=foreach)
     g = torch.Generator().manual_seed(4)
     for _ in range(steps):
         for p, r, q in zip(params, ref, plain):
@@ -197,9 +207,7 @@ def _adamw_against_float64(params, step, steps=100):
         step()
         ref_opt.step()
         plain_opt.step()
-    flat = lambda ts: torch.cat([t.flatten() for t in ts])
-    err = relative_error(flat([mcf_value(p) for p in params]), flat(ref), flat(start))
-    return err, relative_error(flat(plain), flat(ref), flat(start))
+    return ref, plain, start
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
@@ -213,21 +221,9 @@ def test_adamw_follows_a_float64_adamw_fed_the_same_grads(foreach):
     """
     torch.manual_seed(0)
     params = _params(3, 1.0, torch.bfloat16)
-    ref = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
-    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    start = [p.detach().double().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=foreach)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-5, weight_decay=0.01, foreach=False)
-    plain_opt = torch.optim.AdamW(plain, lr=1e-5, weight_decay=0.01, foreach=foreach)
     step = torch.compile(opt.step, backend=collage_compile.backend)
-    g = torch.Generator().manual_seed(4)
-    for _ in range(150):
-        for p, r, q in zip(params, ref, plain):
-            grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
-            p.grad, r.grad, q.grad = grad, grad.double(), grad.clone()
-        step()
-        ref_opt.step()
-        plain_opt.step()
+    ref, plain, start = _adamw_stream(params, step, 150, weight_decay=0.01, foreach=foreach)
     d_ref = torch.cat([(r.detach() - s).flatten() for r, s in zip(ref, start)])
 
     def follows(values):
