@@ -329,8 +329,7 @@ def _decay_watches(info: GraphInfo, scheduled: list[Any]) -> list[decays.DecayWa
     found: dict[tuple[Any, bool], decays.DecayWatch | None] = {}
     for acc, node, lerp in scheduled:
         if (node, lerp) not in found:
-            b = modes._number(info, node)
-            b = None if b is None else (1.0 - b if lerp else b)
+            b = modes.decay_value(info, node, lerp)
             found[node, lerp] = (
                 None if b is None else decays.watch_for(node, lerp, info.placeholders, b)
             )

@@ -37,8 +37,8 @@ _ARITHMETIC: dict[Any, Callable[..., float]] = {
 class DecayWatch:
     """One scheduled decay factor and the tensors plus left for its compile-time value."""
 
-    def __init__(self, evaluate: Callable[[ValueOf], float], inputs: list[int], at_compile: float):
-        self.evaluate, self.inputs, self.at_compile = evaluate, inputs, at_compile
+    def __init__(self, evaluate: Callable[[ValueOf], float], at_compile: float):
+        self.evaluate, self.at_compile = evaluate, at_compile
         self.names: list[str] = []
         self.said = False
 
@@ -77,7 +77,7 @@ def watch_for(
     if fn is None or not inputs:
         return None
     evaluate = (lambda v: 1.0 - fn(v)) if is_lerp_weight else fn
-    return DecayWatch(evaluate, sorted(set(inputs)), at_compile)
+    return DecayWatch(evaluate, at_compile)
 
 
 def _evaluator(

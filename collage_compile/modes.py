@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -139,12 +140,10 @@ def _watch_a_scheduled_decay(
     schedule), the compiled step watches it (:mod:`collage_compile.decays`)."""
     if not all(w in ctx.sites for w in writes):
         return
-    for st in (st for w in writes for st in ctx.sites[w].steps):
-        if st.kind == "mul" and st.update is None and isinstance(st.args[0], fx.Node):
-            ctx.scheduled_decays.append((acc, st.args[0], False))
-            return
-        if st.kind == "lerp" and isinstance(st.args[1], fx.Node):
-            ctx.scheduled_decays.append((acc, st.args[1], True))
+    steps = [st for w in writes for st in ctx.sites[w].steps]
+    for x, is_lerp in _decay_operands(steps):
+        if isinstance(x, fx.Node):
+            ctx.scheduled_decays.append((acc, x, is_lerp))
             return
 
 
@@ -240,16 +239,27 @@ def _reads(node: fx.Node, target: Any, depth: int = 0) -> bool:
 def _decay_factor(info: GraphInfo, steps: list[Step]) -> float | None:
     """The ``b`` of ``x = b*x + ...``: a constant factor of a ``mul`` step, or one minus
     the weight of a ``lerp`` step; None if there is no (known) one."""
+    for x, is_lerp in _decay_operands(steps):
+        b = decay_value(info, x, is_lerp)
+        if b is not None:
+            return b
+    return None
+
+
+def _decay_operands(steps: list[Step]) -> Iterator[tuple[Any, bool]]:
+    """Each operand that sets a decay: a ``mul`` step's factor (False), a ``lerp`` step's
+    weight (True: the decay is one minus it)."""
     for s in steps:
         if s.kind == "mul" and s.update is None:
-            c = _number(info, s.args[0])
-            if c is not None:
-                return c
-        if s.kind == "lerp":
-            w = _number(info, s.args[1])
-            if w is not None:
-                return 1.0 - w
-    return None
+            yield s.args[0], False
+        elif s.kind == "lerp":
+            yield s.args[1], True
+
+
+def decay_value(info: GraphInfo, x: Any, is_lerp_weight: bool) -> float | None:
+    """The decay operand ``x`` sets, as a number now (:func:`_number`)."""
+    c = _number(info, x)
+    return None if c is None else (1.0 - c if is_lerp_weight else c)
 
 
 def _number(info: GraphInfo, x: Any) -> float | None:
