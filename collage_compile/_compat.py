@@ -63,7 +63,6 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     (``Optimizer.profile_hook_step``, ``Optimizer._patch_step_function``,
     ``torch.library.custom_op``)."""
     import gc
-    import weakref
 
     cls = torch.optim.Optimizer
     original = cls._optimizer_step_code
@@ -73,18 +72,13 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     # Every optimizer is entered when it is built (``__init__`` and ``__setstate__`` call
     # ``_patch_step_function``) or, if it already exists, now.
     ticks = torch.zeros((), dtype=torch.int64)
-
-    def enter(optimizer: Any) -> None:
-        key = id(optimizer)
-        _optimizers[key] = weakref.ref(optimizer, lambda _, key=key: _optimizers.pop(key, None))
-
     for obj in gc.get_objects():
         if issubclass(type(obj), cls):  # type(), not isinstance: no __class__ property runs
-            enter(obj)
+            _enter(obj)
     patch_step = cls._patch_step_function
 
     def _patch_step_function(self: Any) -> None:
-        enter(self)
+        _enter(self)
         patch_step(self)
 
     @torch.library.custom_op("collage::optimizer_stepped", mutates_args=("ticks",))
@@ -107,6 +101,14 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
     _optimizer_step_code.__doc__ = original.__doc__
     cls._optimizer_step_code = _optimizer_step_code  # type: ignore[method-assign]
     cls._patch_step_function = _patch_step_function  # type: ignore[method-assign]
+
+
+def _enter(optimizer: Any) -> None:
+    """Register ``optimizer`` under its id for :func:`run_step_ticks` (until it dies)."""
+    import weakref
+
+    key = id(optimizer)
+    _optimizers[key] = weakref.ref(optimizer, lambda _, key=key: _optimizers.pop(key, None))
 
 
 def run_step_ticks(keys: Sequence[int]) -> None:
@@ -940,61 +942,67 @@ def realize_scalars_pass() -> Any:
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    aten = torch.ops.aten
-
-    def scalar(node: fx.Node) -> bool:
-        val = node.meta.get("val")
-        return (
-            node.op == "call_function"
-            and isinstance(val, torch.Tensor)
-            and val.dim() == 0
-            and val.dtype in (torch.float32, torch.float64, torch.bool)
-        )
-
-    def cpp_loop(v: torch.Tensor) -> bool:
-        # a loop the C++ backend generates: a Triton kernel (CUDA, or a CPU under
-        # ``cpu_backend="triton"``) has no libm call to hoist, and each realized scalar
-        # would be one more pointer argument for every sub-kernel of its combo kernel
-        return v.device.type == "cpu" and torch._inductor.config.cpu_backend == "cpp"
-
-    def large(node: fx.Node) -> bool:
-        # a C++ loop long enough that computing its scalars once beats the 0-d buffer each
-        # of them costs per call on the host (a tiny parameter's loop is one or two vectors)
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        for v in vals:
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and cpp_loop(v):
-                n = v.numel()
-                if not isinstance(n, int) or n >= _REALIZE_MIN_NUMEL:
-                    return True
-        return False
-
     class RealizeScalars(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             for node in list(graph.nodes):
-                if node.op != "call_function" or not large(node):
-                    continue
-                views: dict[fx.Node, fx.Node] = {}
-
-                def through_view(a: Any, node: fx.Node = node, views: dict = views) -> Any:
-                    if not (isinstance(a, fx.Node) and scalar(a)):
-                        return a
-                    if a not in views:
-                        with graph.inserting_before(node):
-                            v = graph.call_function(aten.as_strided.default, (a, [], []))
-                        val = a.meta["val"]
-                        with val.fake_mode:
-                            v.meta["val"] = aten.as_strided.default(val, [], [])
-                        views[a] = v
-                    return views[a]
-
-                node.args = fx.node.map_arg(node.args, through_view)
-                node.kwargs = fx.node.map_arg(node.kwargs, through_view)
+                if node.op == "call_function" and _long_cpp_loop(node):
+                    _read_scalars_through_views(graph, node)
 
         def uuid(self) -> Any:
             return get_hash_for_files((__file__,))
 
     return RealizeScalars()
+
+
+def _computed_scalar(node: fx.Node) -> bool:
+    """A computed fp32/fp64/bool 0-d value (low-precision ones are left: a store rounds)."""
+    val = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and isinstance(val, torch.Tensor)
+        and val.dim() == 0
+        and val.dtype in (torch.float32, torch.float64, torch.bool)
+    )
+
+
+def _long_cpp_loop(node: fx.Node) -> bool:
+    """Whether ``node`` computes a loop the C++ backend generates, long enough that its
+    scalars computed once beat the 0-d buffer each costs per call on the host (a tiny
+    parameter's loop is one or two vectors).  A Triton kernel (CUDA, or a CPU under
+    ``cpu_backend="triton"``) has no libm call to hoist, and each realized scalar would be
+    one more pointer argument for every sub-kernel of its combo kernel."""
+    val = node.meta.get("val")
+    for v in val if isinstance(val, (list, tuple)) else [val]:
+        if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+            continue
+        if v.device.type != "cpu" or torch._inductor.config.cpu_backend != "cpp":
+            continue
+        n = v.numel()
+        if not isinstance(n, int) or n >= _REALIZE_MIN_NUMEL:
+            return True
+    return False
+
+
+def _read_scalars_through_views(graph: fx.Graph, node: fx.Node) -> None:
+    """Make ``node`` read each computed scalar argument through one ``aten.as_strided``
+    view, which Inductor's lowering realizes (computed once in the kernel's prologue)."""
+    aten = torch.ops.aten
+    views: dict[fx.Node, fx.Node] = {}
+
+    def through_view(a: Any) -> Any:
+        if not (isinstance(a, fx.Node) and _computed_scalar(a)):
+            return a
+        if a not in views:
+            with graph.inserting_before(node):
+                v = graph.call_function(aten.as_strided.default, (a, [], []))
+            val = a.meta["val"]
+            with val.fake_mode:
+                v.meta["val"] = aten.as_strided.default(val, [], [])
+            views[a] = v
+        return views[a]
+
+    node.args = fx.node.map_arg(node.args, through_view)
+    node.kwargs = fx.node.map_arg(node.kwargs, through_view)
 
 
 def eager_rounding_patch() -> dict[str, Any]:
@@ -1278,12 +1286,10 @@ def _lower_shared(
     (:func:`_write_in_place`).  Appends to ``buffers`` the values it materializes and then
     the outputs' own computations, in graph order (each a value to realize).
 
-    Every value reaches its readers' lowerings as a stand-in pointwise node whose loader
-    looks the value up in the running evaluation's table and computes it (the real
-    lowering's loader) only on a miss; the first stand-in loaded opens the table and
-    closes it when it returns.  The arithmetic is the lowerings' own, so the kernel is
-    what the node-by-node lowering generates after Inductor's common subexpression
-    elimination.
+    Every value reaches its readers' lowerings as a stand-in (:class:`_Memo`) computed
+    once per evaluation of a loop body.  The arithmetic is the lowerings' own, so the
+    kernel is what the node-by-node lowering generates after Inductor's common
+    subexpression elimination.
 
     Each output is still its own pointwise node, and each loop body would compute all
     the values the outputs share: a shared fp32 value with more than
@@ -1291,35 +1297,10 @@ def _lower_shared(
     never are: a store would round them), where a reader of the outputs still finds a
     low-precision load (Inductor's C++ backend vectorizes a loop whose every body is
     fp32 only half as wide)."""
-    from torch._inductor import ir
     from torch._inductor.lowering import lowerings
-    from torch._inductor.virtualized import V
 
-    table: list[dict[Any, Any] | None] = [None]
-    loaders: dict[fx.Node, Callable[..., Any]] = {}
+    memo = _Memo()
     env: dict[fx.Node, Any] = {}
-
-    def stand_in(node: fx.Node, value: Any) -> Any:
-        def load(index: Sequence[Any], node: fx.Node = node) -> Any:
-            memo = table[0]
-            if memo is None:  # the outermost load of this graph: its evaluation
-                table[0] = {}
-                try:
-                    return loaders[node](index)
-                finally:
-                    table[0] = None
-            key = (id(V.get_ops_handler()), node, tuple(index))
-            if key not in memo:
-                memo[key] = loaders[node](index)
-            return memo[key]
-
-        return ir.Pointwise.create(
-            device=value.get_device(),
-            dtype=value.get_dtype(),
-            inner_fn=load,
-            ranges=list(value.get_size()),
-        )
-
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     shared = _shared_frontier(gm, outputs)
     it = iter(inputs)
@@ -1329,12 +1310,10 @@ def _lower_shared(
         elif node.op == "call_function":
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            value = lowerings[node.target](*args, **kwargs)
-            loaders[node] = value.make_loader()
-            env[node] = stand_in(node, value)
+            env[node] = memo.stand_in(node, lowerings[node.target](*args, **kwargs))
             if (
                 node in shared
-                and value.get_dtype() in (torch.float32, torch.float64)
+                and env[node].get_dtype() in (torch.float32, torch.float64)
                 and env[node].data.data.inner_fn_opcount().num_ops > SHARED_VALUE_OPCOUNT
             ):
                 env[node].realize()
@@ -1350,6 +1329,42 @@ def _lower_shared(
         elif outputs[i].op == "call_function" and out.has_exceeded_max_reads():
             out.realize_hint()
     return results
+
+
+class _Memo:
+    """Stand-ins for lowered values that share one table per evaluation of a loop body:
+    a value several readers load at one index is computed once (its real loader runs only
+    on a miss); the first stand-in loaded opens the table and closes it when it returns."""
+
+    def __init__(self) -> None:
+        self.table: dict[Any, Any] | None = None
+        self.loaders: dict[fx.Node, Callable[..., Any]] = {}
+
+    def load(self, node: fx.Node, index: Sequence[Any]) -> Any:
+        from torch._inductor.virtualized import V
+
+        if self.table is None:  # the outermost load of this graph: its evaluation
+            self.table = {}
+            try:
+                return self.loaders[node](index)
+            finally:
+                self.table = None
+        key = (id(V.get_ops_handler()), node, tuple(index))
+        if key not in self.table:
+            self.table[key] = self.loaders[node](index)
+        return self.table[key]
+
+    def stand_in(self, node: fx.Node, value: Any) -> Any:
+        """A pointwise node that loads ``value`` (the lowering of ``node``) through the table."""
+        from torch._inductor import ir
+
+        self.loaders[node] = value.make_loader()
+        return ir.Pointwise.create(
+            device=value.get_device(),
+            dtype=value.get_dtype(),
+            inner_fn=functools.partial(self.load, node),
+            ranges=list(value.get_size()),
+        )
 
 
 def _epilogue_targets(call: fx.Node) -> dict[int, Any]:

@@ -388,22 +388,7 @@ class _Plan:
         self.compiled_dtypes: list[torch.dtype | None] = []  # and the dtype
         self.calls: list[tuple[Callable[..., Any], list[Any]]] = []
         self.wrappers: list[Any] = []
-        # each wrapper of the backend says what it is (compiler: _LoInputs "pairs",
-        # _StepTicks "watch" or "graph", _EveryK "every")
-        roles = [getattr(w, "replay_role", None) for w, _, _ in calls]
-        if "pairs" not in roles:
-            raise _Refused("its step called no graph that updates a pair")
-        floats = [id(w) for w, _, _ in calls if getattr(w, "_scalars", None)]
-        if len(floats) != len(set(floats)):  # one tensor per float, filled once a replay
-            raise _Refused("a graph of its step that reads scheduled floats is called twice")
-        for (wrapper, args, los), role in zip(calls, roles):
-            self.wrappers.append(wrapper)
-            if role == "pairs":
-                self.calls.append((wrapper.compiled, self._inputs(wrapper, args, los)))
-            elif role == "every":
-                raise _Refused("it measures metrics every few steps (metrics=True)")
-            elif role != "watch":  # the optimizer watch's graph: only its bookkeeping
-                raise _Refused("its step calls a graph that updates no pair")
+        roles = self._take_calls(calls)
         filled = {(g, keys) for _, g, keys in self.scalars}
         self.settings = [
             _Settings(group, {keys for g, keys in filled if g == i})
@@ -419,6 +404,26 @@ class _Plan:
         self._state_columns()
         self._pair_checks([w for w, r in zip(self.wrappers, roles) if r == "pairs"])
         self._addresses()
+
+    def _take_calls(self, calls: list[tuple[Any, tuple[Any, ...], list[Any]]]) -> list[Any]:
+        """Record each graph call of the step with its inputs as a replay passes them;
+        returns each wrapper's role (compiler: ``_LoInputs`` "pairs", ``_StepTicks``
+        "watch" or "graph", ``_EveryK`` "every")."""
+        roles = [getattr(w, "replay_role", None) for w, _, _ in calls]
+        if "pairs" not in roles:
+            raise _Refused("its step called no graph that updates a pair")
+        floats = [id(w) for w, _, _ in calls if getattr(w, "_scalars", None)]
+        if len(floats) != len(set(floats)):  # one tensor per float, filled once a replay
+            raise _Refused("a graph of its step that reads scheduled floats is called twice")
+        for (wrapper, args, los), role in zip(calls, roles):
+            self.wrappers.append(wrapper)
+            if role == "pairs":
+                self.calls.append((wrapper.compiled, self._inputs(wrapper, args, los)))
+            elif role == "every":
+                raise _Refused("it measures metrics every few steps (metrics=True)")
+            elif role != "watch":  # the optimizer watch's graph: only its bookkeeping
+                raise _Refused("its step calls a graph that updates no pair")
+        return roles
 
     def _private_grads(self) -> None:
         """Where the graphs are called directly (a CPU): their gradient inputs replaced by
@@ -448,78 +453,82 @@ class _Plan:
     def _inputs(self, wrapper: Any, args: tuple[Any, ...], los: list[Any]) -> list[Any]:
         """A graph's inputs as a replay passes them, each one classified: a float the
         replay fills, a gradient it copies, a tensor held by ``param_groups``."""
+        self._refuse_per_call_work(wrapper)
+        statics = dict(wrapper._scalars)
+        paths: dict[Any, tuple[int, tuple[Any, ...]]] = {}  # a filled float's symbol: where
+        inputs = list(args)
+        for i, arg in enumerate(args):
+            if i not in wrapper.unused:
+                self._classify(wrapper, i, arg, statics, inputs, paths)
+        if self.device.type == "cuda":
+            for i, t in enumerate([*inputs, *los]):
+                if i not in wrapper.unused and isinstance(t, torch.Tensor):
+                    if t.device.type != "cuda":
+                        raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
+        self._guard_checks(wrapper, paths)
+        if getattr(wrapper, "decay_watches", None):
+            where = {
+                i: (g, keys) for t, g, keys in self.scalars for i in statics if statics[i] is t
+            }
+            self.decay_checks.append((wrapper, where))
+        return inputs + los
+
+    def _refuse_per_call_work(self, wrapper: Any) -> None:
+        """Refuse a graph whose wrapper does work of its own each call: metrics it returns,
+        state it creates, tensors passed in, writes whose pairs restart after each call,
+        or (on CUDA) a computation on CPU tensors that a capture would freeze."""
         if wrapper.metrics is not None:
             raise _Refused("it measures metrics (metrics=True), returned per call")
-        # state it creates, tensors passed in, writes whose pairs restart after each call
         if (
             wrapper.new_state
             or wrapper._by_input
             or wrapper._unchained_refs
-            or (wrapper._unchained_inputs)
+            or wrapper._unchained_inputs
         ):
             raise _Refused("a graph of its step does per-call work outside its kernels")
-        groups = self.optimizer.param_groups
-        statics = dict(wrapper._scalars)
-        paths: dict[Any, tuple[int, tuple[Any, ...]]] = {}  # a filled float's symbol: where
-        inputs = list(args)
         if self.device.type == "cuda" and wrapper.cpu_attrs:
             raise _Refused(
                 f"a graph of its step computes on CPU tensors ({wrapper.cpu_attrs[0]}: a step "
                 "count of a state loaded before compiling?), which a capture holds at one "
                 "step's values"
             )
-        for i, arg in enumerate(args):
-            if i in wrapper.unused:
-                continue
-            source = wrapper.sources[i] if i < len(wrapper.sources) else None
-            where = _parse(source)
-            what = source or f"input {i}"
-            if i in statics:
-                value = _lookup(groups, *where[:2]) if where and not where[2] else None
-                if not isinstance(value, (int, float)) or float(value) != arg.item():
-                    raise _Refused(f"it reads {what}, which is not a float of param_groups")
-                inputs[i] = statics[i]
-                self.scalars.append((statics[i], where[0], where[1]))
-                paths[wrapper.scalar_symbols.get(i)] = where[:2]
-            elif isinstance(arg, torch.Tensor) and where is not None and where[2]:
-                param = _lookup(groups, *where[:2])
-                if param.grad is not arg:
-                    raise _Refused(f"{what} is not that parameter's gradient")
-                self.grad_params.append(param)
-                self.static_grads.append(arg)
-                self.grad_slots.append((len(self.calls), i))
-                self.grad_layouts.append(wrapper.grad_layouts.get(i))
-                self.compiled_dtypes.append(wrapper.grad_dtypes.get(i))
-            elif not (
-                isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg
-            ):
-                raise _Refused(
-                    f"its graph reads {what} as a number that a replay would hold at one "
-                    "step's value"
-                )
-        if self.device.type == "cuda":
-            for i, t in enumerate([*inputs, *los]):
-                if (
-                    i not in wrapper.unused
-                    and isinstance(t, torch.Tensor)
-                    and t.device.type != "cuda"
-                ):
-                    raise _Refused(f"a graph of its step reads a {t.device.type} tensor")
-        self._guard_checks(wrapper, paths)
-        if getattr(wrapper, "decay_watches", None):
-            self.decay_checks.append(
-                (
-                    wrapper,
-                    {
-                        i: (g, keys)
-                        for t, g, keys in self.scalars
-                        for i in statics
-                        if statics[i] is t
-                    },
-                )
+
+    def _classify(
+        self,
+        wrapper: Any,
+        i: int,
+        arg: Any,
+        statics: dict[int, torch.Tensor],
+        inputs: list[Any],
+        paths: dict[Any, tuple[int, tuple[Any, ...]]],
+    ) -> None:
+        """Input ``i``: a float of ``param_groups`` (``inputs[i]`` becomes the tensor the
+        replay fills), a parameter's gradient (copied each replay), or a tensor
+        ``param_groups`` holds; anything else is refused."""
+        groups = self.optimizer.param_groups
+        source = wrapper.sources[i] if i < len(wrapper.sources) else None
+        where = _parse(source)
+        what = source or f"input {i}"
+        if i in statics:
+            value = _lookup(groups, *where[:2]) if where and not where[2] else None
+            if not isinstance(value, (int, float)) or float(value) != arg.item():
+                raise _Refused(f"it reads {what}, which is not a float of param_groups")
+            inputs[i] = statics[i]
+            self.scalars.append((statics[i], where[0], where[1]))
+            paths[wrapper.scalar_symbols.get(i)] = where[:2]
+        elif isinstance(arg, torch.Tensor) and where is not None and where[2]:
+            param = _lookup(groups, *where[:2])
+            if param.grad is not arg:
+                raise _Refused(f"{what} is not that parameter's gradient")
+            self.grad_params.append(param)
+            self.static_grads.append(arg)
+            self.grad_slots.append((len(self.calls), i))
+            self.grad_layouts.append(wrapper.grad_layouts.get(i))
+            self.compiled_dtypes.append(wrapper.grad_dtypes.get(i))
+        elif not (isinstance(arg, torch.Tensor) and where and _lookup(groups, *where[:2]) is arg):
+            raise _Refused(
+                f"its graph reads {what} as a number that a replay would hold at one step's value"
             )
-        inputs += los
-        return inputs
 
     def _guard_checks(self, wrapper: Any, paths: dict[Any, tuple[int, tuple[Any, ...]]]) -> None:
         """What the graph's compile guards on the floats a replay fills (SGD's ``if
