@@ -91,6 +91,11 @@ def attach(*objects: torch.optim.Optimizer | torch.nn.Module) -> None:
             )
 
 
+def is_attached(obj: Any) -> bool:
+    """Whether :func:`attach` was called for ``obj``."""
+    return obj in _attached
+
+
 def unwrap(optimizer: Any) -> Any:
     """The optimizer whose step does the arithmetic inside forwarding wrappers: accelerate's
     ``AcceleratedOptimizer`` (a ``torch.optim.Optimizer`` subclass that never runs its

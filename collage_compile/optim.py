@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import weakref
 from typing import Any
@@ -77,6 +78,7 @@ def compile_optimizer(optimizer: torch.optim.Optimizer, **options: Any) -> torch
     watch.install()
     _count(optimizer, _compat.dynamo_resets())
     whole = options.get("cudagraphs") is True  # the whole step as one replay
+    _compiled_in_copies(optimizer, options)
     options = _as_compiled(options)
     backend = compiler.make_backend(**options) if options else compiler.backend
     compiled = torch.compile(optimizer.step, backend=backend)
@@ -143,6 +145,56 @@ def _install(
     step.__doc__ = f"{type(optimizer).__name__}.step, compiled with the collage backend."
     # a bound method, as the attribute was: an LR scheduler created later wraps its __func__
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+
+def _compiled_in_copies(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> None:
+    """A copy of the optimizer (``copy.deepcopy``, or pickled: ``torch.save`` of the
+    object) is compiled as it was, with the lo of its tensors and its :func:`attach`.
+
+    torch's ``Optimizer.__getstate__`` keeps ``defaults``, ``state`` and ``param_groups``
+    only, so a copy would step with the class's plain ``step`` over weights whose copies
+    carry no pair: plain low precision, with nothing left to notice it.  Copy and pickle
+    look ``__reduce_ex__`` up on the instance, so this one is the optimizer's own."""
+    optimizer.__reduce_ex__ = functools.partial(_reduce_compiled, optimizer, dict(options))  # type: ignore[method-assign]
+
+
+def _reduce_compiled(
+    optimizer: torch.optim.Optimizer, options: dict[str, Any], protocol: int
+) -> Any:
+    """``(rebuild, args, state)`` for copy and pickle: torch's state, then what
+    :func:`_set_compiled_state` needs (the lo travel with their tensors, which copy and
+    pickle keep identical to those of ``param_groups`` and ``state``)."""
+    from collage_compile import checkpoint, state
+
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    pairs = [(t, lo) for t in tensors if (lo := state.components(t)[1]) is not None]
+    extra = {"options": options, "pairs": pairs, "attached": checkpoint.is_attached(optimizer)}
+    return _rebuild, (type(optimizer),), (optimizer.__getstate__(), extra)
+
+
+def _rebuild(cls: type) -> torch.optim.Optimizer:
+    """An empty optimizer of ``cls`` whose state, when copy or pickle sets it, compiles it."""
+    new = cls.__new__(cls)
+    new.__setstate__ = functools.partial(_set_compiled_state, new)  # type: ignore[method-assign]
+    return new
+
+
+def _set_compiled_state(
+    new: torch.optim.Optimizer, both: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    from collage_compile import checkpoint, state
+
+    torch_state, extra = both
+    del new.__dict__["__setstate__"]
+    new.__setstate__(torch_state)
+    for t, lo in extra["pairs"]:
+        state.set_lo(t, lo)
+    compile_optimizer(new, **extra["options"])
+    if extra["attached"]:
+        checkpoint.attach(new)
 
 
 def _room(optimizer: torch.optim.Optimizer) -> Any:
