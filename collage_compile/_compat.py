@@ -39,12 +39,15 @@ def current_frame() -> str | None:
 
 # id -> weakref of every optimizer (the tick op gets the id, a constant in a compiled graph)
 _optimizers: dict[int, Any] = {}
-# the function called after every step (set once by after_every_optimizer_step)
-_after_step: list[Callable[[Any], None]] = []
+# the function called after every step (set once by after_every_optimizer_step), with
+# whether the collage backend's wrapper called it (the step's code ran in a collage graph)
+_after_step: list[Callable[[Any, bool], None]] = []
 
 
-def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
-    """Call ``fn(optimizer)`` after every ``torch.optim`` step, compiled or not, at run time.
+def after_every_optimizer_step(fn: Callable[[Any, bool], None]) -> None:
+    """Call ``fn(optimizer, by_collage)`` after every ``torch.optim`` step, compiled or not,
+    at run time (``by_collage``: called by the wrapper of a graph the collage backend
+    compiled, :func:`run_step_ticks`).
 
     torch.optim's step wrapper calls ``self._optimizer_step_code()`` (an empty method, the
     profiler's entry point) right after the step.  Ours first calls the custom op
@@ -94,7 +97,7 @@ def after_every_optimizer_step(fn: Callable[[Any], None]) -> None:
         if torch.compiler.is_compiling():
             optimizer_stepped(id(self), ticks)  # a node of the graph being traced
         else:
-            fn(self)  # eagerly: no op dispatch
+            fn(self, False)  # eagerly: no op dispatch
         original(self)
 
     _optimizer_step_code._collage = True  # type: ignore[attr-defined]
@@ -111,14 +114,16 @@ def _enter(optimizer: Any) -> None:
     _optimizers[key] = weakref.ref(optimizer, lambda _, key=key: _optimizers.pop(key, None))
 
 
-def run_step_ticks(keys: Sequence[int]) -> None:
-    """Call the after-step function for the optimizers with these ids (those still alive)."""
+def run_step_ticks(keys: Sequence[int], by_collage: bool = False) -> None:
+    """Call the after-step function for the optimizers with these ids (those still alive);
+    ``by_collage``: from the wrapper of a collage graph (else the tick op ran, in a graph
+    another backend compiled)."""
     for key in keys:
         ref = _optimizers.get(key)
         optimizer = ref() if ref is not None else None
         if optimizer is not None:
             for fn in _after_step:
-                fn(optimizer)
+                fn(optimizer, by_collage)
 
 
 def _step_tick_op() -> Any:

@@ -195,6 +195,8 @@ def _compile_graph(
         ticks = _compat.step_tick_ids(gm)
         return _StepTicks(_without_step_ticks(gm).forward, ticks, empty=True)
     names.learn(gm, list(example_inputs))
+    if config.mode != "off":
+        watch.read_by_graph(example_inputs)
     ticks = _compat.step_tick_ids(gm)
     compiled = _compile_rewritten(gm, example_inputs, config, record)
     if isinstance(compiled, _LoInputs):
@@ -234,12 +236,12 @@ class _StepTicks:
         if replay.recording is not None:
             replay.recording.append((self, args, []))
         out = self.compiled(*args)
-        _compat.run_step_ticks(self.ticks)
+        _compat.run_step_ticks(self.ticks, by_collage=True)
         return out
 
     def after_replay(self) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
-        _compat.run_step_ticks(self.ticks)
+        _compat.run_step_ticks(self.ticks, by_collage=True)
 
 
 def _compile_rewritten(
@@ -929,7 +931,7 @@ class _LoInputs:
         if self._unchained_refs or self._unchained_inputs:
             self._reset_unchained(args)
         if self.ticks:
-            _compat.run_step_ticks(self.ticks)
+            _compat.run_step_ticks(self.ticks, by_collage=True)
         return out
 
     def _with_scalars(self, args: tuple[Any, ...]) -> list[Any]:
@@ -966,7 +968,7 @@ class _LoInputs:
         watch.record_call(self._written_ids)
         state.record_versions(self._lo_ids, self._attr_tensors())
         if self.ticks:
-            _compat.run_step_ticks(self.ticks)
+            _compat.run_step_ticks(self.ticks, by_collage=True)
 
     def _pair_new_state(self, out: Any) -> Any:
         """Register the remainders the graph returns after its outputs with the new

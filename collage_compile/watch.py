@@ -42,6 +42,7 @@ import weakref
 from typing import Any, ClassVar
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from collage_compile import _compat, diagnostics, names, state
 from collage_compile.diagnostics import warn_once
@@ -78,6 +79,15 @@ _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # optimizers compile_optimizer compiled: every step must write their low-precision weights,
 # whose ids are kept with the parameter count they were read at
 _compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+# low-precision parameters that a collage graph (not mode="off") reads -> True, and a
+# count of additions (an optimizer's cached answer is read again when it moves)
+_read_by_graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_read_by_graphs_epoch = [0]
+# optimizers not compiled by compile_optimizer -> (parameter count, _read_by_graphs_epoch,
+# ids of their low-precision weights, whether a collage graph reads any of them)
+_plain_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], bool]] = (
     weakref.WeakKeyDictionary()
 )
 # recompile-limit events seen: (function, limit, value, last reason)
@@ -181,12 +191,14 @@ def reset() -> None:
     _limit_named.clear()
     _checked.clear()
     _limits.clear()
+    _read_by_graphs.clear()
+    _plain_optimizers.clear()
 
 
 # ----------------------------------------------------------------------- optimizer hooks
 
 
-def _after_step(optimizer: Any) -> None:
+def _after_step(optimizer: Any, by_collage: bool = False) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) != count:
         _check_input(optimizer)
@@ -202,8 +214,85 @@ def _after_step(optimizer: Any) -> None:
                 _eager_step(optimizer, stepped, len(expected))
         if optimizer in _compiled_optimizers:
             _uncompiled_step(optimizer, written, count)
+        else:
+            _plain_step(optimizer, written, count, by_collage)
     if not _InCall.depth:
         _sweep()
+
+
+def read_by_graph(example_inputs: Any) -> None:
+    """A collage graph (not ``mode="off"``) reads these: its low-precision parameters are
+    meant to be compensated (:func:`_plain_step`)."""
+    added = False
+    for t in example_inputs:
+        if (
+            isinstance(t, torch.nn.Parameter)
+            and t.dtype in LOW_PRECISION
+            and not _compat.is_fake(t)
+            and t not in _read_by_graphs
+        ):
+            _read_by_graphs[t] = True
+            added = True
+    if added:
+        _read_by_graphs_epoch[0] += 1
+
+
+def _plain_step(optimizer: Any, written: frozenset[int], count: int, by_collage: bool) -> None:
+    """A step of an optimizer ``compile_optimizer`` did not compile, in which no collage
+    graph wrote any of its low-precision weights (none carrying a pair yet:
+    :func:`_eager_step` names those), named once where the user asked collage for them:
+    the step's own code ran in a collage graph (``torch.compile(opt.step,
+    backend="collage")`` whose body Dynamo left to eager at a graph break), or the weights
+    are read by collage graphs (a model compiled with ``backend="collage"``, a whole
+    step whose ``opt.step`` ran under ``torch.compiler.disable``).  Per step, one set
+    operation in C (the rest is read again when the parameter count or the set of weights
+    collage graphs read changes)."""
+    cached = _plain_optimizers.get(optimizer)
+    if cached is None or cached[0] != count or cached[1] != _read_by_graphs_epoch[0]:
+        low = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if getattr(p, "dtype", None) in LOW_PRECISION
+        ]
+        read = any(p in _read_by_graphs for p in low)
+        cached = (count, _read_by_graphs_epoch[0], frozenset(map(id, low)), read)
+        _plain_optimizers[optimizer] = cached
+    ids, read = cached[2], cached[3]
+    if not ids or not (by_collage or read) or not written.isdisjoint(ids):
+        return
+    low = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if getattr(p, "dtype", None) in LOW_PRECISION and p.grad is not None
+    ]
+    if not low or any(state.get_lo(p) is not None for p in low):
+        return  # none stepped, or carrying pairs: _eager_step named them
+    if by_collage:
+        why = (
+            "its step's code was compiled with the collage backend, but the update itself "
+            "ran eagerly: Dynamo could not trace the step's body (a graph break inside its "
+            "loop: Tensor.item(), print, data-dependent Python; TORCH_LOGS=graph_breaks "
+            "shows it)"
+        )
+    else:
+        why = (
+            "graphs compiled with the collage backend read them (a model compiled with "
+            'backend="collage"), but this step ran outside every collage graph: the '
+            "optimizer's step was not compiled with the backend, or torch.compiler.disable "
+            "or a graph break left it to eager"
+        )
+    warn_once(
+        ("plain-step", str(id(optimizer))),
+        f"collage: {type(optimizer).__name__}.step ran without a graph compiled by the "
+        f"collage backend: {len(low)} {_dtype(low)} parameters with a gradient "
+        f"({names.of_params(optimizer, low)}) {_updated_plainly(low)}, uncompensated. "
+        f"Cause: {why}. The backend compensates the updates inside the graphs it compiles: "
+        "collage_compile.compile_optimizer(opt), or a step function that calls opt.step() "
+        'compiled with backend="collage" and traceable.',
+        stacklevel=4,
+    )
 
 
 def _pair_params(optimizer: Any) -> tuple[frozenset[int], dict[int, Any]]:

@@ -132,6 +132,66 @@ def test_a_graph_break_that_leaves_the_step_to_eager_is_named():
     assert "2 of its 2 parameters" in _collage_warnings(rec)[0]
 
 
+def test_a_step_left_to_eager_is_named_before_any_weight_carries_a_pair():
+    """``torch.compile(opt.step, backend="collage")`` of a step whose loop reads the host
+    (Dynamo runs its body eagerly) never gives its weights a pair, so the check above has
+    nothing to compare; the step's own code ran in a collage graph (the watch's tick), and
+    that names it.  The weights are those of the same stream stepped in plain bf16, bit
+    for bit: what is named is the uncompensated path."""
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    grads = [
+        [(0.01 * torch.randn(64, generator=g)).to(torch.bfloat16) for _ in start] for _ in range(3)
+    ]
+
+    def run(compiled: bool):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = _LoggingSGD(ps, lr=1e-4)
+        step = torch.compile(opt.step, backend=collage_compile.backend) if compiled else opt.step
+        for gs in grads:
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            step()
+        return ps
+
+    with pytest.warns(Warning, match=r"_LoggingSGD\.step ran without a graph") as rec:
+        ps = run(compiled=True)
+    (msg,) = _collage_warnings(rec)
+    assert "2 bfloat16 parameters" in msg and "step's code was compiled with the collage" in msg
+    assert all(state.get_lo(p) is None for p in ps)
+    assert all(torch.equal(p, q) for p, q in zip(ps, run(compiled=False)))
+
+
+@pytest.mark.parametrize("backend", ["collage", "off", "inductor"])
+def test_a_model_compiled_with_collage_beside_an_eager_optimizer_is_named(backend):
+    """``torch.compile(model, backend="collage")`` compensates nothing of an optimizer
+    stepped eagerly: its weights, read by collage graphs, are named once.  A model
+    compiled with ``mode="off"`` or by plain Inductor asked for no compensation: no
+    warning."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    chosen = {
+        "collage": collage_compile.backend,
+        "off": collage_compile.make_backend(mode="off"),
+        "inductor": "inductor",
+    }[backend]
+    forward = torch.compile(model, backend=chosen)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            forward(torch.randn(4, 16, generator=g).to(torch.bfloat16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    named = _collage_warnings(rec)
+    if backend != "collage":
+        assert not named
+        return
+    (msg,) = named
+    assert "AdamW.step ran without a graph" in msg and "2 bfloat16 parameters" in msg
+    assert 'a model compiled with backend="collage"' in msg
+
+
 def test_the_recompile_limit_is_named_once():
     p, opt, step, g = _setup(1)
     with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as rec:

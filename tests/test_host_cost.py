@@ -154,7 +154,9 @@ def test_the_optimizer_watch_runs_after_each_step_without_its_op(monkeypatch):
     step = _step(3, "light")
     seen = []
     (watch,) = _compat._after_step
-    monkeypatch.setattr(_compat, "_after_step", [lambda opt: (seen.append(opt), watch(opt))])
+    monkeypatch.setattr(
+        _compat, "_after_step", [lambda opt, by: (seen.append(opt), watch(opt, by))]
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     step()
