@@ -23,7 +23,11 @@ hear about it.  Three watchers, installed once when the backend is first asked f
    An optimizer ``compile_optimizer`` compiled is also checked before its weights carry
    a pair: a step in which no collage graph wrote any of its low-precision weights that
    have a gradient is named (its step never compiled: Dynamo's recompile limit on
-   torch.optim's code, which every optimizer shares, filled by others).
+   torch.optim's code, which every optimizer shares, filled by others).  So is any other
+   optimizer's step that wrote none of its low-precision weights where collage was
+   asked for them: its step's own code ran in a collage graph (a graph break left the
+   body to eager), or collage graphs read those weights (the model compiled with the
+   backend, the step not).
 2. **Dynamo's recompile limit.**  When Dynamo gives up on a function whose graphs the
    backend compiled (its ``recompile_limit`` warning), a CollageWarning names the tensors
    those graphs upgrade: calls that match none of the compiled graphs now run eagerly.
@@ -90,6 +94,8 @@ _read_by_graphs_epoch = [0]
 _plain_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], bool]] = (
     weakref.WeakKeyDictionary()
 )
+# optimizers named for input no graph can upgrade (fused=True, sparse gradients, ...)
+_input_named: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # recompile-limit events seen: (function, limit, value, last reason)
 _limits: list[tuple[str, str, str, str]] = []
 # pairs checked per optimizer step for writes outside a step (round robin)
@@ -193,6 +199,7 @@ def reset() -> None:
     _limits.clear()
     _read_by_graphs.clear()
     _plain_optimizers.clear()
+    _input_named.clear()
 
 
 # ----------------------------------------------------------------------- optimizer hooks
@@ -261,6 +268,8 @@ def _plain_step(optimizer: Any, written: frozenset[int], count: int, by_collage:
     ids, read = cached[2], cached[3]
     if not ids or not (by_collage or read) or not written.isdisjoint(ids):
         return
+    if optimizer in _input_named:
+        return  # its fused kernel, sparse gradients... named with their own reason
     low = [
         p
         for g in optimizer.param_groups
@@ -583,18 +592,22 @@ def _check_input(optimizer: Any) -> None:
         for i, p in enumerate(group["params"]):
             dtype = getattr(p, "dtype", None)
             if dtype == torch.complex32:
+                _input_named[optimizer] = True
                 _warn_param("complex", type(optimizer).__name__, g, i, tuple(p.shape))
             elif dtype in LOW_PRECISION:
                 low = True
                 grad = p.grad
                 if grad is not None and grad.layout != torch.strided:
+                    _input_named[optimizer] = True
                     _warn_param("sparse", type(optimizer).__name__, g, i, tuple(p.shape))
         if not low:
             continue
         if group.get("fused"):
+            _input_named[optimizer] = True
             _warn_fused(type(optimizer).__name__)
             return
         if isinstance(optimizer, torch.optim.Adafactor) and not _compat.captures_scalar_outputs():
+            _input_named[optimizer] = True
             _warn_untraced(type(optimizer).__name__)
             return
 
