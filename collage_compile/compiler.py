@@ -193,7 +193,7 @@ def _compile_graph(
         # called directly rather than through its op (the dispatcher's Python wrapping
         # cost about as much as the watch itself)
         ticks = _compat.step_tick_ids(gm)
-        return _StepTicks(_without_step_ticks(gm).forward, ticks, empty=True)
+        return _StepTicks(_without_step_ticks(gm).forward, ticks, config, empty=True)
     names.learn(gm, list(example_inputs))
     if config.mode != "off":
         watch.read_by_graph(example_inputs)
@@ -207,7 +207,7 @@ def _compile_graph(
         return compiled
     # for a capture of the whole step every graph it calls is seen (replay.record)
     wrap = ticks or config.cudagraphs == "step"
-    return _StepTicks(compiled, ticks) if wrap else compiled
+    return _StepTicks(compiled, ticks, config) if wrap else compiled
 
 
 def _without_step_ticks(gm: fx.GraphModule) -> fx.GraphModule:
@@ -227,8 +227,16 @@ class _StepTicks:
     """A compiled graph with nothing to upgrade that followed optimizer steps: the
     optimizer watch runs after each call (:func:`_without_step_ticks`)."""
 
-    def __init__(self, compiled: Callable[..., Any], ticks: list[int], empty: bool = False):
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        ticks: list[int],
+        config: CollageConfig,
+        empty: bool = False,
+    ):
         self.compiled, self.ticks = compiled, ticks
+        # the watch hears a step whose code ran here as one collage was asked to compile
+        self.collage = config.mode != "off"
         # for replay: the graph is the watch's ticks alone (it computes nothing), or not
         self.replay_role = "watch" if empty else "graph"
 
@@ -236,12 +244,12 @@ class _StepTicks:
         if replay.recording is not None:
             replay.recording.append((self, args, []))
         out = self.compiled(*args)
-        _compat.run_step_ticks(self.ticks, by_collage=True)
+        _compat.run_step_ticks(self.ticks, by_collage=self.collage)
         return out
 
     def after_replay(self) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
-        _compat.run_step_ticks(self.ticks, by_collage=True)
+        _compat.run_step_ticks(self.ticks, by_collage=self.collage)
 
 
 def _compile_rewritten(
