@@ -41,10 +41,10 @@ def current_frame() -> str | None:
 _optimizers: dict[int, Any] = {}
 # the function called after every step (set once by after_every_optimizer_step), with
 # whether the collage backend's wrapper called it (the step's code ran in a collage graph)
-_after_step: list[Callable[[Any, bool], None]] = []
+_after_step: list[Callable[[Any, bool | None], None]] = []
 
 
-def after_every_optimizer_step(fn: Callable[[Any, bool], None]) -> None:
+def after_every_optimizer_step(fn: Callable[[Any, bool | None], None]) -> None:
     """Call ``fn(optimizer, by_collage)`` after every ``torch.optim`` step, compiled or not,
     at run time (``by_collage``: called by the wrapper of a graph the collage backend
     compiled, :func:`run_step_ticks`).
@@ -97,7 +97,7 @@ def after_every_optimizer_step(fn: Callable[[Any, bool], None]) -> None:
         if torch.compiler.is_compiling():
             optimizer_stepped(id(self), ticks)  # a node of the graph being traced
         else:
-            fn(self, False)  # eagerly: no op dispatch
+            fn(self, None)  # eagerly: no op dispatch
         original(self)
 
     _optimizer_step_code._collage = True  # type: ignore[attr-defined]
@@ -114,10 +114,11 @@ def _enter(optimizer: Any) -> None:
     _optimizers[key] = weakref.ref(optimizer, lambda _, key=key: _optimizers.pop(key, None))
 
 
-def run_step_ticks(keys: Sequence[int], by_collage: bool = False) -> None:
+def run_step_ticks(keys: Sequence[int], by_collage: bool | None = None) -> None:
     """Call the after-step function for the optimizers with these ids (those still alive);
-    ``by_collage``: from the wrapper of a collage graph (else the tick op ran, in a graph
-    another backend compiled)."""
+    ``by_collage``: from the wrapper of a collage graph, compiled to compensate (True) or
+    with ``mode="off"`` (False); None: the tick op ran, in a graph another backend
+    compiled."""
     for key in keys:
         ref = _optimizers.get(key)
         optimizer = ref() if ref is not None else None

@@ -200,7 +200,7 @@ def _compile_graph(
     ticks = _compat.step_tick_ids(gm)
     compiled = _compile_rewritten(gm, example_inputs, config, record)
     if isinstance(compiled, _LoInputs):
-        compiled.ticks = ticks
+        compiled.ticks, compiled.collage = ticks, config.mode != "off"
         compiled.replayed = config.inductor_cudagraphs
         compiled.sources = [names.source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         compiled.expect_grad_layouts(example_inputs)
@@ -236,6 +236,7 @@ class _StepTicks:
     ):
         self.compiled, self.ticks = compiled, ticks
         # the watch hears a step whose code ran here as one collage was asked to compile
+        # (True), or one compiled with mode="off", which asked for no compensation (False)
         self.collage = config.mode != "off"
         # for replay: the graph is the watch's ticks alone (it computes nothing), or not
         self.replay_role = "watch" if empty else "graph"
@@ -263,6 +264,8 @@ def _compile_rewritten(
     # every low-precision tensor starts eligible: the families claim what they understand,
     # then the mode keeps what it upgrades (modes.select)
     info = GraphInfo(gm, list(example_inputs), config)
+    if config.mode != "off":  # a collage graph wrote these, upgraded or named
+        watch.written_by_graph([w.acc.real for w in info.writes])
     # an optimizer step: no bf16/fp16 tile transposes in its C++ kernels (GCC 12 at -O3
     # miscompiles them on AVX-512, silently); a forward pass goes to Inductor untouched
     tiles = _compat.no_low_precision_tiles() if info.writes else contextlib.nullcontext()
@@ -683,6 +686,7 @@ class _LoInputs:
         self.metrics = metrics
         # optimizers whose steps this graph ran: the watch checks them after each call
         self.ticks: list[int] = []
+        self.collage = True  # False: compiled with mode="off" (the watch's by_collage)
         # captured as a CUDA graph: an output is overwritten by the next replay
         self.replayed = False
         # Dynamo's source of each input (``L['self'].param_groups[0]['lr']``)
@@ -939,7 +943,7 @@ class _LoInputs:
         if self._unchained_refs or self._unchained_inputs:
             self._reset_unchained(args)
         if self.ticks:
-            _compat.run_step_ticks(self.ticks, by_collage=True)
+            _compat.run_step_ticks(self.ticks, by_collage=self.collage)
         return out
 
     def _with_scalars(self, args: tuple[Any, ...]) -> list[Any]:
@@ -976,7 +980,7 @@ class _LoInputs:
         watch.record_call(self._written_ids)
         state.record_versions(self._lo_ids, self._attr_tensors())
         if self.ticks:
-            _compat.run_step_ticks(self.ticks, by_collage=True)
+            _compat.run_step_ticks(self.ticks, by_collage=self.collage)
 
     def _pair_new_state(self, out: Any) -> Any:
         """Register the remainders the graph returns after its outputs with the new

@@ -154,22 +154,35 @@ def _compiled_in_copies(optimizer: torch.optim.Optimizer, options: dict[str, Any
     torch's ``Optimizer.__getstate__`` keeps ``defaults``, ``state`` and ``param_groups``
     only, so a copy would step with the class's plain ``step`` over weights whose copies
     carry no pair: plain low precision, with nothing left to notice it.  Copy and pickle
-    look ``__reduce_ex__`` up on the instance, so this one is the optimizer's own."""
-    optimizer.__reduce_ex__ = functools.partial(_reduce_compiled, optimizer, dict(options))  # type: ignore[method-assign]
+    call ``__reduce_ex__``: ``Optimizer``'s (installed once, here) reduces an optimizer
+    whose own ``step`` this module compiled through :func:`_rebuild`, and any other as
+    ``object`` does (a wrapper that copied the optimizer's ``__dict__`` but has a ``step``
+    of its own, Lightning's ``LightningOptimizer``, is copied as before)."""
+    optimizer.__dict__["_collage_copy_options"] = dict(options)
+    cls = torch.optim.Optimizer
+    if "__reduce_ex__" not in cls.__dict__:
+        cls.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
 
 
-def _reduce_compiled(
-    optimizer: torch.optim.Optimizer, options: dict[str, Any], protocol: int
-) -> Any:
+def _reduce_ex(self: torch.optim.Optimizer, protocol: int) -> Any:
+    step = self.__dict__.get("step")
+    options = self.__dict__.get("_collage_copy_options")
+    # its own step, compiled here (an LR scheduler made since wraps it, keeping the marks)
+    if options is None or not getattr(step, "_collage_compiled", False):
+        return object.__reduce_ex__(self, protocol)
+    return _reduce_compiled(self, options)
+
+
+def _reduce_compiled(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> Any:
     """``(rebuild, args, state)`` for copy and pickle: torch's state, then what
     :func:`_set_compiled_state` needs (the lo travel with their tensors, which copy and
     pickle keep identical to those of ``param_groups`` and ``state``)."""
     from collage_compile import checkpoint, state
 
     tensors = [p for g in optimizer.param_groups for p in g["params"]]
-    tensors += [
-        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-    ]
+    for entry in optimizer.state.values():
+        if isinstance(entry, dict):
+            tensors += [v for v in entry.values() if isinstance(v, torch.Tensor)]
     pairs = [(t, lo) for t in tensors if (lo := state.components(t)[1]) is not None]
     extra = {"options": options, "pairs": pairs, "attached": checkpoint.is_attached(optimizer)}
     return _rebuild, (type(optimizer),), (optimizer.__getstate__(), extra)

@@ -85,13 +85,13 @@ _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
-# low-precision parameters that a collage graph (not mode="off") reads -> True, and a
-# count of additions (an optimizer's cached answer is read again when it moves)
-_read_by_graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_read_by_graphs_epoch = [0]
-# optimizers not compiled by compile_optimizer -> (parameter count, _read_by_graphs_epoch,
-# ids of their low-precision weights, whether a collage graph reads any of them)
-_plain_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], bool]] = (
+# low-precision tensors that collage graphs (not mode="off") read as parameters (_READ)
+# or write (_WRITTEN) -> those flags, and a count of changes (an optimizer's cached
+# answer is read again when it moves)
+_by_graphs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_by_graphs_epoch = [0]
+# optimizers not compiled by compile_optimizer -> _plain_candidates' answer
+_plain_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, int, frozenset[int], bool, bool]] = (
     weakref.WeakKeyDictionary()
 )
 # optimizers named for input no graph can upgrade (fused=True, sparse gradients, ...)
@@ -197,7 +197,7 @@ def reset() -> None:
     _limit_named.clear()
     _checked.clear()
     _limits.clear()
-    _read_by_graphs.clear()
+    _by_graphs.clear()
     _plain_optimizers.clear()
     _input_named.clear()
 
@@ -205,7 +205,7 @@ def reset() -> None:
 # ----------------------------------------------------------------------- optimizer hooks
 
 
-def _after_step(optimizer: Any, by_collage: bool = False) -> None:
+def _after_step(optimizer: Any, by_collage: bool | None = None) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) != count:
         _check_input(optimizer)
@@ -230,46 +230,61 @@ def _after_step(optimizer: Any, by_collage: bool = False) -> None:
 def read_by_graph(example_inputs: Any) -> None:
     """A collage graph (not ``mode="off"``) reads these: its low-precision parameters are
     meant to be compensated (:func:`_plain_step`)."""
+    _note(example_inputs, _READ)
+
+
+def written_by_graph(tensors: Any) -> None:
+    """A collage graph (not ``mode="off"``) writes these, upgraded or named as it compiles
+    (a write it cannot carry has its own warning, :func:`_plain_step` says nothing more)."""
+    _note(tensors, _WRITTEN)
+
+
+_READ, _WRITTEN = 1, 2
+
+
+def _note(tensors: Any, flag: int) -> None:
     added = False
-    for t in example_inputs:
+    for t in tensors:
         if (
-            isinstance(t, torch.nn.Parameter)
+            isinstance(t, torch.Tensor)
             and t.dtype in LOW_PRECISION
             and not _compat.is_fake(t)
-            and t not in _read_by_graphs
+            and (flag == _WRITTEN or isinstance(t, torch.nn.Parameter))
+            and not _by_graphs.get(t, 0) & flag
         ):
-            _read_by_graphs[t] = True
+            _by_graphs[t] = _by_graphs.get(t, 0) | flag
             added = True
     if added:
-        _read_by_graphs_epoch[0] += 1
+        _by_graphs_epoch[0] += 1
 
 
-def _plain_step(optimizer: Any, written: frozenset[int], count: int, by_collage: bool) -> None:
+# param_groups keys of optimizers that compensate bf16 by themselves: optimi's Kahan
+# summation, torchao's bf16 stochastic rounding
+_SELF_COMPENSATING = ("kahan_sum", "bf16_stochastic_round")
+
+
+def _plain_step(
+    optimizer: Any, written: frozenset[int], count: int, by_collage: bool | None
+) -> None:
     """A step of an optimizer ``compile_optimizer`` did not compile, in which no collage
     graph wrote any of its low-precision weights (none carrying a pair yet:
     :func:`_eager_step` names those), named once where the user asked collage for them:
     the step's own code ran in a collage graph (``torch.compile(opt.step,
     backend="collage")`` whose body Dynamo left to eager at a graph break), or the weights
     are read by collage graphs (a model compiled with ``backend="collage"``, a whole
-    step whose ``opt.step`` ran under ``torch.compiler.disable``).  Per step, one set
-    operation in C (the rest is read again when the parameter count or the set of weights
-    collage graphs read changes)."""
+    step whose ``opt.step`` ran under ``torch.compiler.disable``).  Not for a step
+    compiled with ``mode="off"``, weights a collage graph wrote (its own warnings name
+    what it could not carry), an optimizer named for its input or one that compensates
+    by itself (:data:`_SELF_COMPENSATING`).  Per step, one dictionary lookup and one set
+    operation in C; after the warning, the lookup alone."""
+    if by_collage is False:
+        return  # compiled with mode="off": no compensation asked for
     cached = _plain_optimizers.get(optimizer)
-    if cached is None or cached[0] != count or cached[1] != _read_by_graphs_epoch[0]:
-        low = [
-            p
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if getattr(p, "dtype", None) in LOW_PRECISION
-        ]
-        read = any(p in _read_by_graphs for p in low)
-        cached = (count, _read_by_graphs_epoch[0], frozenset(map(id, low)), read)
-        _plain_optimizers[optimizer] = cached
-    ids, read = cached[2], cached[3]
-    if not ids or not (by_collage or read) or not written.isdisjoint(ids):
+    if cached is None or cached[0] != count or cached[1] != _by_graphs_epoch[0]:
+        cached = _plain_candidates(optimizer, count)
+    ids, read, named = cached[2], cached[3], cached[4]
+    if named or not ids or not (by_collage or read) or not written.isdisjoint(ids):
         return
-    if optimizer in _input_named:
-        return  # its fused kernel, sparse gradients... named with their own reason
     low = [
         p
         for g in optimizer.param_groups
@@ -278,7 +293,35 @@ def _plain_step(optimizer: Any, written: frozenset[int], count: int, by_collage:
     ]
     if not low or any(state.get_lo(p) is not None for p in low):
         return  # none stepped, or carrying pairs: _eager_step named them
-    if by_collage:
+    _plain_optimizers[optimizer] = (*cached[:4], True)  # named once: no more work per step
+    _warn_plain_step(optimizer, low, by_collage is True)
+
+
+def _plain_candidates(optimizer: Any, count: int) -> tuple[int, int, frozenset[int], bool, bool]:
+    """(count, epoch, ids of the low-precision weights to check, whether collage graphs
+    read any of them, nothing to name), cached in :data:`_plain_optimizers`."""
+    low = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if getattr(p, "dtype", None) in LOW_PRECISION
+    ]
+    exempt = (
+        optimizer in _input_named
+        or getattr(optimizer.step, "_collage_compiled", False)  # compile_optimizer, mode="off"
+        or any(g.get(key) for g in optimizer.param_groups for key in _SELF_COMPENSATING)
+        or any(_by_graphs.get(p, 0) & _WRITTEN for p in low)
+    )
+    read = any(_by_graphs.get(p, 0) & _READ for p in low)
+    previous = _plain_optimizers.get(optimizer)
+    named = exempt or (previous is not None and previous[4])
+    cached = (count, _by_graphs_epoch[0], frozenset(map(id, low)), read, named)
+    _plain_optimizers[optimizer] = cached
+    return cached
+
+
+def _warn_plain_step(optimizer: Any, low: list[Any], ticked: bool) -> None:
+    if ticked:
         why = (
             "its step's code was compiled with the collage backend, but the update itself "
             "ran eagerly: Dynamo could not trace the step's body (a graph break inside its "
@@ -299,8 +342,10 @@ def _plain_step(optimizer: Any, written: frozenset[int], count: int, by_collage:
         f"({names.of_params(optimizer, low)}) {_updated_plainly(low)}, uncompensated. "
         f"Cause: {why}. The backend compensates the updates inside the graphs it compiles: "
         "collage_compile.compile_optimizer(opt), or a step function that calls opt.step() "
-        'compiled with backend="collage" and traceable.',
-        stacklevel=4,
+        'compiled with backend="collage" and traceable. An optimizer meant to run plain '
+        '(or that compensates by itself) can be compiled with mode="off", or this '
+        "warning filtered.",
+        stacklevel=5,
     )
 
 

@@ -718,8 +718,8 @@ def test_a_copied_or_pickled_optimizer_is_compiled_with_its_lo(how):
     """``copy.deepcopy((model, opt))`` and ``torch.save((model, opt))`` + ``torch.load``
     of an optimizer compile_optimizer compiled: torch's ``Optimizer.__getstate__`` drops
     the compiled step and the copies' tensors carry no pair, so the copy stepped in plain
-    bf16, unwarned.  Now the copy is compiled with the same options, attached as the
-    original was, with every lo (weights and plus's second moment): stepping on from the
+    bf16, unwarned.  Now the copy is compiled with the same options (also when an LR
+    scheduler wrapped the compiled step), attached as the original was, with every lo (weights and plus's second moment): stepping on from the
     copy ends bit for bit where stepping on from the original does, far closer to float64
     than plain bf16."""
     import copy
@@ -728,6 +728,7 @@ def test_a_copied_or_pickled_optimizer_is_compiled_with_its_lo(how):
         model, opt = _adamw()
         collage_compile.compile_optimizer(opt, mode="plus")
         collage_compile.attach(opt)
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # wraps the compiled step
         for k in range(40):
             if k == copy_at and how == "deepcopy":
                 model, opt = copy.deepcopy((model, opt))

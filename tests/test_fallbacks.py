@@ -171,17 +171,20 @@ def test_a_step_left_to_eager_is_named_before_any_weight_carries_a_pair(mode):
     assert "step's code was compiled with the collage" in msg
 
 
-@pytest.mark.parametrize("backend", ["collage", "off", "inductor"])
+@pytest.mark.parametrize("backend", ["collage", "off", "inductor", "collage+off"])
 def test_a_model_compiled_with_collage_beside_an_eager_optimizer_is_named(backend):
     """``torch.compile(model, backend="collage")`` compensates nothing of an optimizer
     stepped eagerly: its weights, read by collage graphs, are named once.  A model
-    compiled with ``mode="off"`` or by plain Inductor asked for no compensation: no
-    warning."""
+    compiled with ``mode="off"`` or by plain Inductor asked for no compensation, nor
+    did an optimizer ``compile_optimizer(opt, mode="off")`` compiled: no warning."""
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(16, 8).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if backend == "collage+off":
+        collage_compile.compile_optimizer(opt, mode="off")
     chosen = {
         "collage": collage_compile.backend,
+        "collage+off": collage_compile.backend,
         "off": collage_compile.make_backend(mode="off"),
         "inductor": "inductor",
     }[backend]
