@@ -285,12 +285,7 @@ def _plain_step(
     ids, read, named = cached[2], cached[3], cached[4]
     if named or not ids or not (by_collage or read) or not written.isdisjoint(ids):
         return
-    low = [
-        p
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if getattr(p, "dtype", None) in LOW_PRECISION and p.grad is not None
-    ]
+    low = _low_params(optimizer, stepped=True)
     if not low or any(state.get_lo(p) is not None for p in low):
         return  # none stepped, or carrying pairs: _eager_step named them
     _plain_optimizers[optimizer] = (*cached[:4], True)  # named once: no more work per step
@@ -300,12 +295,7 @@ def _plain_step(
 def _plain_candidates(optimizer: Any, count: int) -> tuple[int, int, frozenset[int], bool, bool]:
     """(count, epoch, ids of the low-precision weights to check, whether collage graphs
     read any of them, nothing to name), cached in :data:`_plain_optimizers`."""
-    low = [
-        p
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if getattr(p, "dtype", None) in LOW_PRECISION
-    ]
+    low = _low_params(optimizer)
     exempt = (
         optimizer in _input_named
         or getattr(optimizer.step, "_collage_compiled", False)  # compile_optimizer, mode="off"
@@ -427,21 +417,11 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
     changes): the replay's host work does not grow with the tensor count."""
     seen, ids = _compiled_optimizers[optimizer]
     if seen != count:
-        ids = frozenset(
-            id(p)
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if getattr(p, "dtype", None) in LOW_PRECISION
-        )
+        ids = frozenset(map(id, _low_params(optimizer)))
         _compiled_optimizers[optimizer] = (count, ids)
     if not ids or not written.isdisjoint(ids):
         return
-    low = [
-        p
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if getattr(p, "dtype", None) in LOW_PRECISION and p.grad is not None
-    ]
+    low = _low_params(optimizer, stepped=True)
     if not low or any(id(p) in written for p in low):
         return
     if all(state.get_lo(p) is not None for p in low):
@@ -455,6 +435,16 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
         stacklevel=4,
     )
+
+
+def _low_params(optimizer: Any, stepped: bool = False) -> list[Any]:
+    """The optimizer's bf16/fp16 parameters (``stepped``: those with a gradient)."""
+    return [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if getattr(p, "dtype", None) in LOW_PRECISION and (not stepped or p.grad is not None)
+    ]
 
 
 def _dtype(params: list[Any]) -> str:
@@ -625,11 +615,7 @@ def _check_input(optimizer: Any) -> None:
     (:func:`checkpoint.guard`); runs after its first step and when its parameters change."""
     from collage_compile import checkpoint
 
-    if any(
-        getattr(p, "dtype", None) in LOW_PRECISION
-        for g in optimizer.param_groups
-        for p in g["params"]
-    ):
+    if _low_params(optimizer):
         checkpoint.guard(optimizer, compiled=False)
         names.remember(optimizer)
     for g, group in enumerate(optimizer.param_groups):
