@@ -188,26 +188,27 @@ def _compile_graph(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: CollageConfig, record: bool = True
 ) -> Callable[..., Any]:
     watch.install()
+    asked = config.mode != "off"  # compensation asked for (the watch hears which)
     if _compat.is_step_tick_graph(gm):
         # the optimizer watch's call after a step: nothing to compile, and the watch is
         # called directly rather than through its op (the dispatcher's Python wrapping
         # cost about as much as the watch itself)
         ticks = _compat.step_tick_ids(gm)
-        return _StepTicks(_without_step_ticks(gm).forward, ticks, config, empty=True)
+        return _StepTicks(_without_step_ticks(gm).forward, ticks, asked, empty=True)
     names.learn(gm, list(example_inputs))
-    if config.mode != "off":
+    if asked:
         watch.read_by_graph(example_inputs)
     ticks = _compat.step_tick_ids(gm)
     compiled = _compile_rewritten(gm, example_inputs, config, record)
     if isinstance(compiled, _LoInputs):
-        compiled.ticks, compiled.collage = ticks, config.mode != "off"
+        compiled.ticks, compiled.collage = ticks, asked
         compiled.replayed = config.inductor_cudagraphs
         compiled.sources = [names.source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         compiled.expect_grad_layouts(example_inputs)
         return compiled
     # for a capture of the whole step every graph it calls is seen (replay.record)
     wrap = ticks or config.cudagraphs == "step"
-    return _StepTicks(compiled, ticks, config) if wrap else compiled
+    return _StepTicks(compiled, ticks, asked) if wrap else compiled
 
 
 def _without_step_ticks(gm: fx.GraphModule) -> fx.GraphModule:
@@ -231,13 +232,13 @@ class _StepTicks:
         self,
         compiled: Callable[..., Any],
         ticks: list[int],
-        config: CollageConfig,
+        collage: bool,
         empty: bool = False,
     ):
         self.compiled, self.ticks = compiled, ticks
         # the watch hears a step whose code ran here as one collage was asked to compile
         # (True), or one compiled with mode="off", which asked for no compensation (False)
-        self.collage = config.mode != "off"
+        self.collage = collage
         # for replay: the graph is the watch's ticks alone (it computes nothing), or not
         self.replay_role = "watch" if empty else "graph"
 
