@@ -11,6 +11,7 @@ must FAIL.  ``MUT`` takes comma-separated names (see ``_apply``); some read ``MU
 import operator
 import os
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -20,357 +21,560 @@ def pytest_configure(config):
         _apply(name)
 
 
-def _apply(name):
-    from collage_compile import checkpoint, compiler, fuse, rewrite, state
-
-    if name == "keep_restored_lo":  # item 1: skip the drop of a restored lo
-        orig = state.check
-
-        def check(t, lo, name=""):
-            saved = lo.detach().clone()
-            why = orig(t, lo, name)
-            if why is not None and "saved with" in why:
-                with torch.no_grad():
-                    lo.copy_(saved)
-            return why
-
-        state.check = check
-    elif name == "eager_op_drops_lo":  # item 2: the op's eager kernel is not the chain
-        import copy
-
-        orig = fuse._graph
-        cache = {}
-
-        def _graph(key):
-            if key not in cache:
-                gm = copy.deepcopy(orig(key))
-                out = next(n for n in gm.graph.nodes if n.op == "output")
-                vals = list(out.args[0])
-                with gm.graph.inserting_before(out):
-                    for i in range(1, len(vals), 2):  # every lo output times zero
-                        vals[i] = gm.graph.call_function(torch.ops.aten.mul.Tensor, (vals[i], 0.0))
-                out.args = (tuple(vals),)
-                gm.recompile()
-                cache[key] = gm
-            return cache[key]
-
-        fuse._graph = _graph
-    elif name == "outline_patch_unseen":  # item 3: rewrite binds outline at import
-        real = fuse.outline
-        rewrite.fuse = types.SimpleNamespace(outline=real)
-    elif name == "outline_noop":  # fuse.outline keeps every chain inline
-        fuse.outline = lambda *a, **k: False
-    elif name == "report_drops_params":  # the report loses its parameter rows
-        from collage_compile import report
-
-        orig_build = report.GraphReport.build.__func__
-
-        def build(cls, *a, **k):
-            rep = orig_build(cls, *a, **k)
-            rep.entries = [e for e in rep.entries if e.role != "param"]
-            return rep
-
-        report.GraphReport.build = classmethod(build)
-    elif name == "restore_zero_lo":  # a restored all-zero lo is allocated, not skipped
-        checkpoint._all_zero = lambda lo: False
-    elif name == "complex32_unmoved":  # the backend's step leaves complex32 weights as they were
-        orig = compiler._compile_graph
-
-        def _compile_graph(gm, ex, config, record=True):
-            fn = orig(gm, ex, config, record)
-            attrs = [
-                getattr(gm, n.target)
-                for n in gm.graph.nodes
-                if n.op == "get_attr" and getattr(gm, n.target).dtype == torch.complex32
-            ]
-
-            def run(*args):
-                saved = [t.detach().clone() for t in attrs]
-                out = fn(*args)
-                with torch.no_grad():
-                    for t, s in zip(attrs, saved):
-                        t.copy_(s)
-                return out
-
-            return run
-
-        compiler._compile_graph = _compile_graph
-    elif name in ("gpt_zero_grads", "gpt_head_detached"):
-        import torch.nn.functional as F
-
-        from collage_compile import demo
-
-        orig_forward = demo.GPT.forward
-
-        def forward(self, idx, targets):
-            if name == "gpt_zero_grads":  # every grad exists and is zero
-                loss = orig_forward(self, idx, targets)
-                return loss.detach() + 0 * loss
-            t = idx.shape[1]
-            x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            # the output layer reads the shared matrix without a gradient
-            logits = F.linear(self.ln_f(x), self.wte.weight.detach())
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-
-        demo.GPT.forward = forward
-    elif name.startswith("bench_"):  # benchmarks.step as if it reported a broken number
-        import json
-        import pathlib
-        import subprocess
-
-        kind = name[len("bench_") :]
-        orig_run = subprocess.run
-
-        def run(cmd, *a, **k):
-            proc = orig_run(cmd, *a, **k)
-            if not (isinstance(cmd, list) and "benchmarks.step" in cmd):
-                return proc
-            out = pathlib.Path(cmd[cmd.index("--json") + 1])
-            res = json.loads(out.read_text())
-            rows = {r["variant"]: r for r in res["rows"]}
-            for r in res["rows"]:
-                if kind == "compile_warm" and r["compile_s"] is not None:
-                    r["compile_s"] = r["ms_per_step"] / 1e3  # timed a warm call
-                elif kind == "peak_mib":
-                    r["peak_MB"] = r["peak_MB"] * 1e6 / 2**20
-                elif kind == "ms_in_s":
-                    r["ms_per_step"] /= 1e3
-                elif kind == "bandwidth_bits":
-                    r["of_copy_bandwidth"] *= 8
-            if kind == "step_did_nothing":  # every column consistent with a 20x faster step
-                r, base = rows["collage plus"], rows["plain bf16"]["ms_per_step"]
-                ms = r["ms_per_step"] = base / 20
-                r["ns_per_param"] = ms * 1e6 / res["params"]
-                r["vs_plain_bf16"] = ms / base
-                r["vs_fp32_master"] = ms / rows["fp32 master (16,32)"]["ms_per_step"]
-                r["floor_GBps"] = r["floor_bytes_per_param"] * res["params"] / (ms / 1e3) / 1e9
-                r["of_copy_bandwidth"] = r["floor_GBps"] / res["copy_GBps"]
-            out.write_text(json.dumps(res))
-            return proc
-
-        subprocess.run = run
-    elif name.startswith("demo_"):  # the demo's summary as if it reported a broken number
-        from collage_compile import demo
-
-        orig_summary = demo._Run.summary
-
-        def summary(self, n_params, wall):
-            out = orig_summary(self, n_params, wall)
-            if name == "demo_ms_in_s":
-                out["ms_per_step"] /= 1e3
-            elif name == "demo_opt_from_t0":  # optimizer time measured from the step's start
-                out["opt_ms"], out["opt_ms_per_step"] = out["step_ms"], out["ms_per_step"]
-            elif name == "demo_first_step":  # the compiling first step as ms/step
-                out["ms_per_step"] = out["step_ms"][0]
-            elif name == "demo_tied_twice":  # the tied matrix counted twice
-                out["n_params"] += 256 * 16
-                out["bytes_per_param"] = out["persistent_bytes"] / out["n_params"]
-            return out
-
-        demo._Run.summary = summary
-    elif name == "rewrite_nothing":  # the pass rewrites nothing (report unchanged)
-        rewrite.emit = lambda *a, **k: []
-    elif name == "lo_not_fed":  # lo allocated, never read or written: plain bf16 numerics
-        orig_call = compiler._LoInputs.__call__
-
-        def call(self, *args):
-            compiled = self.compiled
-            n = len(self._call_los)
-
-            def run(*a):
-                head, los = a[: len(a) - n], a[len(a) - n :]
-                return compiled(*head, *[torch.zeros_like(x) for x in los])
-
-            self.compiled = run
-            try:
-                return orig_call(self, *args)
-            finally:
-                self.compiled = compiled
-
-        compiler._LoInputs.__call__ = call
-    elif name == "zero_lo_at_call":  # each graph drops its lo once, at its MUT_K-th call
-        orig_call = compiler._LoInputs.__call__
-        k = int(os.environ.get("MUT_K", "2"))
-
-        def call(self, *args):
-            self._mut_calls = getattr(self, "_mut_calls", 0) + 1
-            if self._mut_calls == k:
-                self._refresh(self._attr_tensors())
-                for lo in self._call_los:
-                    if lo is not None:
-                        lo.zero_()
-            return orig_call(self, *args)
-
-        compiler._LoInputs.__call__ = call
-    elif name == "lo_bits":  # after each call, keep only MUT_BITS mantissa bits of each lo
-        orig_call = compiler._LoInputs.__call__
-        bits = int(os.environ.get("MUT_BITS", "2"))
-        mask = ~((1 << (7 - bits)) - 1) & 0xFFFF
-
-        def call(self, *args):
-            out = orig_call(self, *args)
-            for lo in self._call_los:
-                if lo is not None and lo.dtype == torch.bfloat16:
-                    v = lo.view(torch.int16)
-                    v.copy_((v.to(torch.int32) & mask).to(torch.int16))
-            return out
-
-        compiler._LoInputs.__call__ = call
-    elif name == "zero_lo_on_recompile":  # lo kept by identity but zeroed at a recompile
-        orig = compiler._compile_graph
-        calls = []
-
-        def _compile_graph(*a, **k):
-            calls.append(1)
-            if len(calls) > 1:
-                for _, lo in list(state._entries.values()):
-                    lo.zero_()
-            return orig(*a, **k)
-
-        compiler._compile_graph = _compile_graph
-    elif name == "keep_lo_after_non_accumulation":  # item 7: no restart after clamp_
-        compiler._LoInputs._reset_unchained = lambda self, args: None
-        orig_emit = rewrite.emit
-
-        def emit(gm, info, chains, unsupported, *a, **k):
-            return orig_emit(gm, info, chains, [], *a, **k)
-
-        rewrite.emit = emit
-    elif name == "mode_off_where":  # mode="off" for graphs whose code has MUT_MATCH
-        import dataclasses
-
-        orig = compiler._compile_graph
-        match = os.environ["MUT_MATCH"]
-
-        def _compile_graph(gm, ex, config, record=True):
-            if match in gm.code:
-                config = dataclasses.replace(config, mode="off")
-            return orig(gm, ex, config, record)
-
-        compiler._compile_graph = _compile_graph
-    elif name == "mode_off":
-        import dataclasses
-
-        orig = compiler._compile_graph
-
-        def _compile_graph(gm, ex, config, record=True):
-            return orig(gm, ex, dataclasses.replace(config, mode="off"), record)
-
-        compiler._compile_graph = _compile_graph
-    elif name == "replay_stale_lr":  # a replay keeps the lr of the recorded step
-        from collage_compile import replay
-
-        replay._Plan.refresh = lambda self: None
-    elif name == "replay_stale_grads":  # a replay reads the recorded step's gradients
-        from collage_compile import replay
-
-        replay._Plan._copy_grads = lambda self, grads: None
-    elif name == "replay_never_gives_way":  # a replay runs whatever changed (new gradients
-        from collage_compile import replay  # still copied where they fit)
-
-        def stale(self, copy_grads=False):
-            grads = [p.grad for p in self.params]
-            if copy_grads and [g is None for g in grads] == self.none:
-                self._copy_grads(grads)
-
-        replay._Plan.stale = stale
-    elif name == "replay_writes_held_grads":  # new gradients copied into the recorded ones
-        import contextlib
-
-        from collage_compile import replay
-
-        def copy_into_recorded(self, grads):
-            now = [grads[i] for i in self.grad_index]
-            if not all(map(operator.is_, now, self.static_grads)):
-                torch._foreach_copy_(self.static_locals, now)
-
-        replay._Plan._copy_grads = copy_into_recorded
-        replay._Plan._private_grads = lambda self: None
-        replay._own_grads = lambda optimizer: contextlib.nullcontext()
-    elif name == "grad_layout_unchecked":  # a gradient's strides trusted, as Dynamo does
-        compiler._LoInputs.expect_grad_layouts = lambda self, example_inputs: None
-    elif name == "low_precision_tiles":  # Inductor tiles bf16 as it comes
-        import contextlib
-
-        from collage_compile import _compat
-
-        _compat.no_low_precision_tiles = contextlib.nullcontext
-    elif name == "replay_misses_silently":  # a replay that keeps giving way is not named
-        from collage_compile import replay
-
-        replay.WholeStep._missed = lambda self, why: None
-    elif name == "replay_ignores_addresses":  # identity trusted: t.data = ... unseen
-        from collage_compile import replay
-
-        replay._Plan._where = lambda self: self.places
-    elif name == "replay_ignores_global_state":  # autocast & co. unread by a replay
-        from collage_compile import _compat
-
-        _compat.global_state = lambda: lambda: True
-    elif name == "replay_ignores_list_settings":  # a list changed in place passes
-        from collage_compile import replay
-
-        orig = replay._Settings.__init__
-
-        def init(self, group, filled):
-            orig(self, group, filled)
-            self.lists = []
-
-        replay._Settings.__init__ = init
-    elif name == "grad_dtype_unchecked":  # a gradient's dtype trusted, as Dynamo does
-        compiler._DTYPE = lambda g: None
-        orig = compiler._LoInputs.expect_grad_layouts
-
-        def expect(self, example_inputs):
-            orig(self, example_inputs)
-            self._grad_dtypes = [None] * len(self._grad_dtypes)
-
-        compiler._LoInputs.expect_grad_layouts = expect
-    elif name == "replay_ignores_outside_writes":  # only the per-graph check skipped
-        compiler._LoInputs.replay_blocker = lambda self, tensors=None: None
-    elif name == "keep_float_specializations":  # torch's tensorify mark outlives a graph
-        from collage_compile import _compat
-
-        _compat.forget_float_specializations = lambda: None
-    elif name == "uncompiled_step_silent":  # a compiled optimizer's eager step unnamed
-        from collage_compile import watch
-
-        watch._uncompiled_step = lambda optimizer, written, count: None
-    elif name == "fp32_graph_specializes":  # a graph with nothing to upgrade: no scalars pass
-        from collage_compile import compiler, passes
-
-        orig = compiler._compile_rewritten
-
-        def _compile_rewritten(gm, example_inputs, config, record):
-            if not any(
-                getattr(n.meta.get("example_value"), "dtype", None)
-                in (torch.bfloat16, torch.float16)
-                for n in gm.graph.find_nodes(op="placeholder")
-            ):
-                finalize, passes.finalize = passes.finalize, lambda gm: {}
-                try:
-                    return orig(gm, example_inputs, config, record)
-                finally:
-                    passes.finalize = finalize
-            return orig(gm, example_inputs, config, record)
-
-        compiler._compile_rewritten = _compile_rewritten
-    elif name == "speculation_kept":  # a float restart replays the first trace's log
-        from collage_compile import _compat
-
-        _compat.before_float_restart = lambda error: None
-    elif name == "replay_ignores_guards":  # the compile's guards on filled floats unread
-        from collage_compile import _compat
-
-        _compat.float_guards = lambda fake: []
-    elif name == "scalars_inline":  # C++ loops compute the step's scalars per vector
-        from collage_compile import _compat
-
-        _compat.scalar_prologue_patch = lambda: {}
-    elif name == "fixed_unwatched":  # another parameter's new layout goes unchecked
-        compiler._LoInputs.watch_layouts = lambda self, gm: None
-    else:
+# name -> the function that applies it; prefix -> the same for a family of names
+_MUTATIONS: dict[str, Callable[[str], None]] = {}
+_FAMILIES: dict[str, Callable[[str], None]] = {}
+
+
+def _apply(name: str) -> None:
+    apply = _MUTATIONS.get(name)
+    if apply is None:
+        apply = next((f for p, f in _FAMILIES.items() if name.startswith(p)), None)
+    if apply is None:
         raise SystemExit(f"unknown MUT={name}")
+    apply(name)
     print(f"\n*** mutation applied: {name}")
+
+
+def _mutation(*names: str, family: str | None = None):
+    """Register the decorated function as the mutation(s) ``names`` (or every name that
+    starts with ``family``); it is called with the name asked for."""
+
+    def register(fn):
+        _MUTATIONS.update(dict.fromkeys(names, fn))
+        if family is not None:
+            _FAMILIES[family] = fn
+        return fn
+
+    return register
+
+
+@_mutation("keep_restored_lo")
+def _keep_restored_lo(name):
+    """Item 1: skip the drop of a restored lo."""
+    from collage_compile import state
+
+    orig = state.check
+
+    def check(t, lo, name=""):
+        saved = lo.detach().clone()
+        why = orig(t, lo, name)
+        if why is not None and "saved with" in why:
+            with torch.no_grad():
+                lo.copy_(saved)
+        return why
+
+    state.check = check
+
+
+@_mutation("eager_op_drops_lo")
+def _eager_op_drops_lo(name):
+    """Item 2: the op's eager kernel is not the chain."""
+    import copy
+
+    from collage_compile import fuse
+
+    orig = fuse._graph
+    cache = {}
+
+    def _graph(key):
+        if key not in cache:
+            gm = copy.deepcopy(orig(key))
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            vals = list(out.args[0])
+            with gm.graph.inserting_before(out):
+                for i in range(1, len(vals), 2):  # every lo output times zero
+                    vals[i] = gm.graph.call_function(torch.ops.aten.mul.Tensor, (vals[i], 0.0))
+            out.args = (tuple(vals),)
+            gm.recompile()
+            cache[key] = gm
+        return cache[key]
+
+    fuse._graph = _graph
+
+
+@_mutation("outline_patch_unseen")
+def _outline_patch_unseen(name):
+    """Item 3: rewrite binds outline at import."""
+    from collage_compile import fuse, rewrite
+
+    real = fuse.outline
+    rewrite.fuse = types.SimpleNamespace(outline=real)
+
+
+@_mutation("outline_noop")
+def _outline_noop(name):
+    """Fuse.outline keeps every chain inline."""
+    from collage_compile import fuse
+
+    fuse.outline = lambda *a, **k: False
+
+
+@_mutation("report_drops_params")
+def _report_drops_params(name):
+    """The report loses its parameter rows."""
+    from collage_compile import report
+
+    orig_build = report.GraphReport.build.__func__
+
+    def build(cls, *a, **k):
+        rep = orig_build(cls, *a, **k)
+        rep.entries = [e for e in rep.entries if e.role != "param"]
+        return rep
+
+    report.GraphReport.build = classmethod(build)
+
+
+@_mutation("restore_zero_lo")
+def _restore_zero_lo(name):
+    """A restored all-zero lo is allocated, not skipped."""
+    from collage_compile import checkpoint
+
+    checkpoint._all_zero = lambda lo: False
+
+
+@_mutation("complex32_unmoved")
+def _complex32_unmoved(name):
+    """The backend's step leaves complex32 weights as they were."""
+    from collage_compile import compiler
+
+    orig = compiler._compile_graph
+
+    def _compile_graph(gm, ex, config, record=True):
+        fn = orig(gm, ex, config, record)
+        attrs = [
+            getattr(gm, n.target)
+            for n in gm.graph.nodes
+            if n.op == "get_attr" and getattr(gm, n.target).dtype == torch.complex32
+        ]
+
+        def run(*args):
+            saved = [t.detach().clone() for t in attrs]
+            out = fn(*args)
+            with torch.no_grad():
+                for t, s in zip(attrs, saved):
+                    t.copy_(s)
+            return out
+
+        return run
+
+    compiler._compile_graph = _compile_graph
+
+
+@_mutation("gpt_zero_grads", "gpt_head_detached")
+def _gpt_forward(name):
+    """The GPT demo's gradients all zero, or its output layer detached from the shared
+    matrix."""
+    import torch.nn.functional as F
+
+    from collage_compile import demo
+
+    orig_forward = demo.GPT.forward
+
+    def forward(self, idx, targets):
+        if name == "gpt_zero_grads":  # every grad exists and is zero
+            loss = orig_forward(self, idx, targets)
+            return loss.detach() + 0 * loss
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        # the output layer reads the shared matrix without a gradient
+        logits = F.linear(self.ln_f(x), self.wte.weight.detach())
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    demo.GPT.forward = forward
+
+
+@_mutation(family="bench_")
+def _bench(name):
+    """``benchmarks.step`` as if it reported a broken number."""
+    import json
+    import pathlib
+    import subprocess
+
+    kind = name[len("bench_") :]
+    orig_run = subprocess.run
+
+    def run(cmd, *a, **k):
+        proc = orig_run(cmd, *a, **k)
+        if not (isinstance(cmd, list) and "benchmarks.step" in cmd):
+            return proc
+        out = pathlib.Path(cmd[cmd.index("--json") + 1])
+        res = json.loads(out.read_text())
+        rows = {r["variant"]: r for r in res["rows"]}
+        for r in res["rows"]:
+            if kind == "compile_warm" and r["compile_s"] is not None:
+                r["compile_s"] = r["ms_per_step"] / 1e3  # timed a warm call
+            elif kind == "peak_mib":
+                r["peak_MB"] = r["peak_MB"] * 1e6 / 2**20
+            elif kind == "ms_in_s":
+                r["ms_per_step"] /= 1e3
+            elif kind == "bandwidth_bits":
+                r["of_copy_bandwidth"] *= 8
+        if kind == "step_did_nothing":  # every column consistent with a 20x faster step
+            r, base = rows["collage plus"], rows["plain bf16"]["ms_per_step"]
+            ms = r["ms_per_step"] = base / 20
+            r["ns_per_param"] = ms * 1e6 / res["params"]
+            r["vs_plain_bf16"] = ms / base
+            r["vs_fp32_master"] = ms / rows["fp32 master (16,32)"]["ms_per_step"]
+            r["floor_GBps"] = r["floor_bytes_per_param"] * res["params"] / (ms / 1e3) / 1e9
+            r["of_copy_bandwidth"] = r["floor_GBps"] / res["copy_GBps"]
+        out.write_text(json.dumps(res))
+        return proc
+
+    subprocess.run = run
+
+
+@_mutation(family="demo_")
+def _demo(name):
+    """The demo's summary as if it reported a broken number."""
+    from collage_compile import demo
+
+    orig_summary = demo._Run.summary
+
+    def summary(self, n_params, wall):
+        out = orig_summary(self, n_params, wall)
+        if name == "demo_ms_in_s":
+            out["ms_per_step"] /= 1e3
+        elif name == "demo_opt_from_t0":  # optimizer time measured from the step's start
+            out["opt_ms"], out["opt_ms_per_step"] = out["step_ms"], out["ms_per_step"]
+        elif name == "demo_first_step":  # the compiling first step as ms/step
+            out["ms_per_step"] = out["step_ms"][0]
+        elif name == "demo_tied_twice":  # the tied matrix counted twice
+            out["n_params"] += 256 * 16
+            out["bytes_per_param"] = out["persistent_bytes"] / out["n_params"]
+        return out
+
+    demo._Run.summary = summary
+
+
+@_mutation("rewrite_nothing")
+def _rewrite_nothing(name):
+    """The pass rewrites nothing (report unchanged)."""
+    from collage_compile import rewrite
+
+    rewrite.emit = lambda *a, **k: []
+
+
+@_mutation("lo_not_fed")
+def _lo_not_fed(name):
+    """Lo allocated, never read or written: plain bf16 numerics."""
+    from collage_compile import compiler
+
+    orig_call = compiler._LoInputs.__call__
+
+    def call(self, *args):
+        compiled = self.compiled
+        n = len(self._call_los)
+
+        def run(*a):
+            head, los = a[: len(a) - n], a[len(a) - n :]
+            return compiled(*head, *[torch.zeros_like(x) for x in los])
+
+        self.compiled = run
+        try:
+            return orig_call(self, *args)
+        finally:
+            self.compiled = compiled
+
+    compiler._LoInputs.__call__ = call
+
+
+@_mutation("zero_lo_at_call")
+def _zero_lo_at_call(name):
+    """Each graph drops its lo once, at its MUT_K-th call."""
+    from collage_compile import compiler
+
+    orig_call = compiler._LoInputs.__call__
+    k = int(os.environ.get("MUT_K", "2"))
+
+    def call(self, *args):
+        self._mut_calls = getattr(self, "_mut_calls", 0) + 1
+        if self._mut_calls == k:
+            self._refresh(self._attr_tensors())
+            for lo in self._call_los:
+                if lo is not None:
+                    lo.zero_()
+        return orig_call(self, *args)
+
+    compiler._LoInputs.__call__ = call
+
+
+@_mutation("lo_bits")
+def _lo_bits(name):
+    """After each call, keep only MUT_BITS mantissa bits of each lo."""
+    from collage_compile import compiler
+
+    orig_call = compiler._LoInputs.__call__
+    bits = int(os.environ.get("MUT_BITS", "2"))
+    mask = ~((1 << (7 - bits)) - 1) & 0xFFFF
+
+    def call(self, *args):
+        out = orig_call(self, *args)
+        for lo in self._call_los:
+            if lo is not None and lo.dtype == torch.bfloat16:
+                v = lo.view(torch.int16)
+                v.copy_((v.to(torch.int32) & mask).to(torch.int16))
+        return out
+
+    compiler._LoInputs.__call__ = call
+
+
+@_mutation("zero_lo_on_recompile")
+def _zero_lo_on_recompile(name):
+    """Lo kept by identity but zeroed at a recompile."""
+    from collage_compile import compiler, state
+
+    orig = compiler._compile_graph
+    calls = []
+
+    def _compile_graph(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            for _, lo in list(state._entries.values()):
+                lo.zero_()
+        return orig(*a, **k)
+
+    compiler._compile_graph = _compile_graph
+
+
+@_mutation("keep_lo_after_non_accumulation")
+def _keep_lo_after_non_accumulation(name):
+    """Item 7: no restart after clamp_."""
+    from collage_compile import compiler, rewrite
+
+    compiler._LoInputs._reset_unchained = lambda self, args: None
+    orig_emit = rewrite.emit
+
+    def emit(gm, info, chains, unsupported, *a, **k):
+        return orig_emit(gm, info, chains, [], *a, **k)
+
+    rewrite.emit = emit
+
+
+@_mutation("mode_off_where")
+def _mode_off_where(name):
+    """``mode="off"`` for graphs whose code has MUT_MATCH."""
+    import dataclasses
+
+    from collage_compile import compiler
+
+    orig = compiler._compile_graph
+    match = os.environ["MUT_MATCH"]
+
+    def _compile_graph(gm, ex, config, record=True):
+        if match in gm.code:
+            config = dataclasses.replace(config, mode="off")
+        return orig(gm, ex, config, record)
+
+    compiler._compile_graph = _compile_graph
+
+
+@_mutation("mode_off")
+def _mode_off(name):
+    import dataclasses
+
+    from collage_compile import compiler
+
+    orig = compiler._compile_graph
+
+    def _compile_graph(gm, ex, config, record=True):
+        return orig(gm, ex, dataclasses.replace(config, mode="off"), record)
+
+    compiler._compile_graph = _compile_graph
+
+
+@_mutation("replay_stale_lr")
+def _replay_stale_lr(name):
+    """A replay keeps the lr of the recorded step."""
+    from collage_compile import replay
+
+    replay._Plan.refresh = lambda self: None
+
+
+@_mutation("replay_stale_grads")
+def _replay_stale_grads(name):
+    """A replay reads the recorded step's gradients."""
+    from collage_compile import replay
+
+    replay._Plan._copy_grads = lambda self, grads: None
+
+
+@_mutation("replay_never_gives_way")
+def _replay_never_gives_way(name):
+    """A replay runs whatever changed (new gradients still copied where they fit)."""
+    from collage_compile import replay
+
+    def stale(self, copy_grads=False):
+        grads = [p.grad for p in self.params]
+        if copy_grads and [g is None for g in grads] == self.none:
+            self._copy_grads(grads)
+
+    replay._Plan.stale = stale
+
+
+@_mutation("replay_writes_held_grads")
+def _replay_writes_held_grads(name):
+    """New gradients copied into the recorded ones."""
+    import contextlib
+
+    from collage_compile import replay
+
+    def copy_into_recorded(self, grads):
+        now = [grads[i] for i in self.grad_index]
+        if not all(map(operator.is_, now, self.static_grads)):
+            torch._foreach_copy_(self.static_locals, now)
+
+    replay._Plan._copy_grads = copy_into_recorded
+    replay._Plan._private_grads = lambda self: None
+    replay._own_grads = lambda optimizer: contextlib.nullcontext()
+
+
+@_mutation("grad_layout_unchecked")
+def _grad_layout_unchecked(name):
+    """A gradient's strides trusted, as Dynamo does."""
+    from collage_compile import compiler
+
+    compiler._LoInputs.expect_grad_layouts = lambda self, example_inputs: None
+
+
+@_mutation("low_precision_tiles")
+def _low_precision_tiles(name):
+    """Inductor tiles bf16 as it comes."""
+    import contextlib
+
+    from collage_compile import _compat
+
+    _compat.no_low_precision_tiles = contextlib.nullcontext
+
+
+@_mutation("replay_misses_silently")
+def _replay_misses_silently(name):
+    """A replay that keeps giving way is not named."""
+    from collage_compile import replay
+
+    replay.WholeStep._missed = lambda self, why: None
+
+
+@_mutation("replay_ignores_addresses")
+def _replay_ignores_addresses(name):
+    """Identity trusted: t.data = ... unseen."""
+    from collage_compile import replay
+
+    replay._Plan._where = lambda self: self.places
+
+
+@_mutation("replay_ignores_global_state")
+def _replay_ignores_global_state(name):
+    """Autocast & co. unread by a replay."""
+    from collage_compile import _compat
+
+    _compat.global_state = lambda: lambda: True
+
+
+@_mutation("replay_ignores_list_settings")
+def _replay_ignores_list_settings(name):
+    """A list changed in place passes."""
+    from collage_compile import replay
+
+    orig = replay._Settings.__init__
+
+    def init(self, group, filled):
+        orig(self, group, filled)
+        self.lists = []
+
+    replay._Settings.__init__ = init
+
+
+@_mutation("grad_dtype_unchecked")
+def _grad_dtype_unchecked(name):
+    """A gradient's dtype trusted, as Dynamo does."""
+    from collage_compile import compiler
+
+    compiler._DTYPE = lambda g: None
+    orig = compiler._LoInputs.expect_grad_layouts
+
+    def expect(self, example_inputs):
+        orig(self, example_inputs)
+        self._grad_dtypes = [None] * len(self._grad_dtypes)
+
+    compiler._LoInputs.expect_grad_layouts = expect
+
+
+@_mutation("replay_ignores_outside_writes")
+def _replay_ignores_outside_writes(name):
+    """Only the per-graph check skipped."""
+    from collage_compile import compiler
+
+    compiler._LoInputs.replay_blocker = lambda self, tensors=None: None
+
+
+@_mutation("keep_float_specializations")
+def _keep_float_specializations(name):
+    """Torch's tensorify mark outlives a graph."""
+    from collage_compile import _compat
+
+    _compat.forget_float_specializations = lambda: None
+
+
+@_mutation("uncompiled_step_silent")
+def _uncompiled_step_silent(name):
+    """A compiled optimizer's eager step unnamed."""
+    from collage_compile import watch
+
+    watch._uncompiled_step = lambda optimizer, written, count: None
+
+
+@_mutation("fp32_graph_specializes")
+def _fp32_graph_specializes(name):
+    """A graph with nothing to upgrade: no scalars pass."""
+    from collage_compile import compiler, passes
+
+    orig = compiler._compile_rewritten
+
+    def _compile_rewritten(gm, example_inputs, config, record):
+        if not any(
+            getattr(n.meta.get("example_value"), "dtype", None) in (torch.bfloat16, torch.float16)
+            for n in gm.graph.find_nodes(op="placeholder")
+        ):
+            finalize, passes.finalize = passes.finalize, lambda gm: {}
+            try:
+                return orig(gm, example_inputs, config, record)
+            finally:
+                passes.finalize = finalize
+        return orig(gm, example_inputs, config, record)
+
+    compiler._compile_rewritten = _compile_rewritten
+
+
+@_mutation("speculation_kept")
+def _speculation_kept(name):
+    """A float restart replays the first trace's log."""
+    from collage_compile import _compat
+
+    _compat.before_float_restart = lambda error: None
+
+
+@_mutation("replay_ignores_guards")
+def _replay_ignores_guards(name):
+    """The compile's guards on filled floats unread."""
+    from collage_compile import _compat
+
+    _compat.float_guards = lambda fake: []
+
+
+@_mutation("scalars_inline")
+def _scalars_inline(name):
+    """C++ loops compute the step's scalars per vector."""
+    from collage_compile import _compat
+
+    _compat.scalar_prologue_patch = lambda: {}
+
+
+@_mutation("fixed_unwatched")
+def _fixed_unwatched(name):
+    """Another parameter's new layout goes unchecked."""
+    from collage_compile import compiler
+
+    compiler._LoInputs.watch_layouts = lambda self, gm: None
