@@ -368,6 +368,33 @@ def _unchained(
     )
 
 
+def _restoring_slots(
+    info: GraphInfo, sites: dict[Any, Any], upgraded: list[Accumulator], readers: list[Any]
+) -> list[int]:
+    """Slots of the weights this graph begins by overwriting with another tensor that
+    carries no pair (``p.copy_(snapshot)``: L-BFGS's line search restoring its weights, a
+    rollback): hi is set and lo restarts, so what the pair carried until then is dropped
+    there (:meth:`_LoInputs.watch_restores` names it when it recurs)."""
+    pairs = {a.node for a in [*upgraded, *readers]}
+    first: dict[int, Any] = {}
+    for w in info.writes:
+        first.setdefault(id(w.acc), w)
+    slots = []
+    for slot, acc in enumerate(upgraded):
+        site = sites.get(first.get(id(acc)))
+        steps = site.steps if site is not None else []
+        source = steps[0].args[0] if steps and steps[0].args else None
+        if (
+            site is not None
+            and site.pattern == "copy_(overwrite)"
+            and acc.is_weight
+            and isinstance(source, fx.Node)
+            and source not in pairs
+        ):
+            slots.append(slot)
+    return slots
+
+
 def _warn_returned_averages(info: GraphInfo) -> None:
     """Name each average a graph computes and returns without writing it: the code that
     writes it back runs outside every compiled graph, in plain low precision
@@ -474,6 +501,9 @@ def _compile_chains(
         guards=_scalar_guards(scalars),
     )
     out.watch_layouts(gm)
+    out.watch_restores(
+        _restoring_slots(info, {s.write: s for c in chains for s in c.sites}, upgraded, readers)
+    )
     if host is not None:
         out.unused, out.cpu_attrs = host
     return out
@@ -525,6 +555,7 @@ def _compile_exact(
         guards=_scalar_guards(c.scalars),
     )
     out.watch_layouts(gm)
+    out.watch_restores(_restoring_slots(info, sites, c.upgraded, c.readers))
     if c.host is not None:
         out.unused, out.cpu_attrs = c.host
     return out
@@ -646,6 +677,11 @@ def _graph_title(upgraded: list[Accumulator]) -> str:
     return f"the graph that updates {', '.join(shown)}{more}"
 
 
+# a weight overwritten from a snapshot after being updated, this many times per graph, is
+# named: once is a load or a rollback, a restore on every step leaves nothing compensated
+_RESTORES_NAMED = 3
+
+
 class _LoInputs:
     """Calls the compiled graph with the lo component of every upgraded tensor appended (then
     that of every weight a chain only reads), and afterwards zeroes the lo of every pair on
@@ -751,6 +787,12 @@ class _LoInputs:
         # for, their data pointers then
         self._fixed: list[tuple[weakref.ref, tuple[Any, ...], str]] = []
         self._fixed_ptrs: list[int] = []
+        # weights a call overwrites from a tensor without a pair (watch_restores): (slot,
+        # index among the attrs or None, input index or None, name), each one's version
+        # after this graph's last call, and how often something else wrote it in between
+        self._restores: list[tuple[int, int | None, int | None, str]] = []
+        self._restore_versions: list[int | None] = []
+        self._restore_counts: list[int] = []
 
     def watch_layouts(self, gm: fx.GraphModule, every_dim: bool = False) -> None:
         """Watch the other parameters ``gm`` holds (a weight a chain only reads, an fp32
@@ -839,6 +881,37 @@ class _LoInputs:
             report.warn_once((kind, id(self), i), f"collage: {self.sources[i]} {what}")
         return args
 
+    def watch_restores(self, slots: list[int]) -> None:
+        """Count the calls that overwrite a weight in ``slots`` (:func:`_restoring_slots`)
+        after something else wrote it: a restore between updates drops the lo the updates
+        built, so a recurring one leaves the weight uncompensated and is named."""
+        attrs = {slot: pos for pos, slot in enumerate(self._attr_slots)}
+        inputs = {slot: (idx, name) for slot, idx, name in self._by_input}
+        for slot in slots:
+            if slot in attrs:
+                self._restores.append((slot, attrs[slot], None, self._attr_accs[attrs[slot]].name))
+            else:
+                self._restores.append((slot, None, *inputs[slot]))
+        self._restore_versions = [None] * len(self._restores)
+        self._restore_counts = [0] * len(self._restores)
+
+    def _restored(self, args: Sequence[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before the call: the weights it overwrites, each counted if written since this
+        graph last did (named once at :data:`_RESTORES_NAMED`)."""
+        weights = [
+            tensors[pos] if pos is not None else args[idx] for _, pos, idx, _ in self._restores
+        ]
+        named = []
+        for i, t in enumerate(weights):
+            seen = self._restore_versions[i]
+            if seen is not None and t._version != seen:
+                self._restore_counts[i] += 1
+                if self._restore_counts[i] == _RESTORES_NAMED:
+                    named.append(names.display(t, self._restores[i][3]))
+        if named:
+            watch.restored(named, str(weights[0].dtype).replace("torch.", ""))
+        return weights
+
     def _attr_tensors(self) -> list[torch.Tensor]:
         tensors = [r() for r in self._attr_refs]
         # by identity, in C: ``None in tensors`` would call Tensor.__eq__ on every element
@@ -868,6 +941,7 @@ class _LoInputs:
             decays.check_all(self.decay_watches, args, self.plus_min_decay)
         tensors = self._attr_tensors()
         call_los = self._los_for_call(args, tensors)
+        restored = self._restored(args, tensors) if self._restores else None
         wrote = self._written_ids
         if self._written_inputs:
             wrote = wrote | {id(args[i]) for i in self._written_inputs}
@@ -880,6 +954,8 @@ class _LoInputs:
         with watch.in_call(self._shown):
             # Dynamo calls a backend's result with positional arguments (never boxed)
             out = self.compiled(*args, *call_los)
+        if restored is not None:
+            self._restore_versions = [t._version for t in restored]
         return self._after_call(out, args, call_los, tensors)
 
     def _los_for_call(self, args: Sequence[Any], tensors: list[torch.Tensor]) -> list[Any]:

@@ -484,6 +484,7 @@ class _Plan:
             or wrapper._by_input
             or wrapper._unchained_refs
             or wrapper._unchained_inputs
+            or wrapper._restores
         ):
             raise _Refused("a graph of its step does per-call work outside its kernels")
         if self.device.type == "cuda" and wrapper.cpu_attrs:

@@ -606,6 +606,25 @@ def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
     )
 
 
+def restored(shown: list[str], dtype: str) -> None:
+    """Weights a collage graph overwrote from a tensor without a pair (a snapshot of hi)
+    after they were updated, :data:`compiler._RESTORES_NAMED` times: said once per set of
+    weights (a graph compiled again counts afresh and would say it again)."""
+    listed = ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+    warn_once(
+        ("restored", *shown),
+        f"collage: {listed} {'was' if len(shown) == 1 else 'were'} overwritten with another "
+        f"tensor's values after being updated, again and again (a copy_ of a snapshot: "
+        f"L-BFGS's strong_wolfe line search restoring its weights, a rollback, a swap). A "
+        f"snapshot holds hi alone: each overwrite sets hi and restarts lo from zero, so the "
+        f"compensation built until then is dropped, and a weight restored on every step is "
+        f"no better than plain {dtype}. Save and restore the pair instead "
+        f"(saved = collage_compile.value(p); collage_compile.set_value(p, saved)), or keep "
+        f"these weights in fp32.",
+        stacklevel=3,
+    )
+
+
 # ----------------------------------------------------------------- input that cannot be upgraded
 
 

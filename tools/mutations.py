@@ -578,3 +578,11 @@ def _fixed_unwatched(name):
     from collage_compile import compiler
 
     compiler._LoInputs.watch_layouts = lambda self, gm: None
+
+
+@_mutation("restores_unnamed")
+def _restores_unnamed(name):
+    """A weight restored from a snapshot between updates is not counted, so not named."""
+    from collage_compile import compiler
+
+    compiler._LoInputs.watch_restores = lambda self, slots: None
