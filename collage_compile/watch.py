@@ -517,8 +517,7 @@ def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> 
         del _frames[function]
         return
     _limit_named.update(ids)
-    more = f", and {len(upgraded) - 4} more" if len(upgraded) > 4 else ""
-    shown = ", ".join(upgraded[:4]) + more
+    shown = _listed(upgraded)
     warn_once(
         ("recompile-limit", function),
         f"collage: torch.compile hit config.{limit} ({value}) for {function} (last reason: "
@@ -576,11 +575,16 @@ def _sweep() -> None:
 _RECURRING = 3
 
 
+def _listed(shown: list[str]) -> str:
+    """The first four names, and how many more."""
+    return ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+
+
 def outside_writes(shown: list[str], why: str, key: str | None = None) -> None:
     """Tensors carrying a pair were written outside a compiled step (found by the sweep or
     by a compiled step's check, ``key`` naming the graph): say so once, and once more
     when it recurs (each write restarts lo: a write every step leaves no compensation)."""
-    listed = ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+    listed = _listed(shown)
     count = diagnostics.occurrence(("outside-write", key or shown[0]))
     if count == _RECURRING:
         warn_once(
@@ -610,7 +614,7 @@ def restored(shown: list[str], dtype: str) -> None:
     """Weights a collage graph overwrote from a tensor without a pair (a snapshot of hi)
     after they were updated, :data:`compiler._RESTORES_NAMED` times: said once per set of
     weights (a graph compiled again counts afresh and would say it again)."""
-    listed = ", ".join(shown[:4]) + (f", and {len(shown) - 4} more" if len(shown) > 4 else "")
+    listed = _listed(shown)
     warn_once(
         ("restored", *shown),
         f"collage: {listed} {'was' if len(shown) == 1 else 'were'} overwritten with another "
