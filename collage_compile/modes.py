@@ -9,9 +9,10 @@ decides, here, whether the mode carries it as a pair:
 - an *average of weights* (``ema.lerp_(p, 1-d)``, ``ema.mul_(d).add_(p, alpha=1-d)``,
   ``torch._foreach_lerp_``, ``AveragedModel``, ASGD's ``ax += (p - ax) * mu``): every mode;
 - a *decay-style accumulator* ``x = b*x + (1-b)*y`` with ``b >= plus_min_decay`` (AdamW's
-  second moment at b = 0.999, RMSprop's at 0.99; Adamax's ``exp_inf = max(b*x, |g|)``):
+  second moment at b = 0.999, RMSprop's at 0.99; Adamax's ``exp_inf = max(b*x, |g|)``), and
+  a *sum* (additions alone, b = 1: Adagrad's sum of squares, schedule-free's ``z``):
   ``"plus"`` and ``"all"``;
-- any other accumulator (momentum buffers, Adam's first moment, Adagrad sums): ``"all"``.
+- any other accumulator (momentum buffers, Adam's first moment): ``"all"``.
 
 A tensor written only by overwrites and maxima (AMSGrad's ``max_exp_avg_sq``), or by a
 write that is not an accumulation (``clamp_``, a write through a view), is left alone in
@@ -171,18 +172,38 @@ def _carries(kind: str, config: Any) -> bool:
     return (
         kind == "weights-average"
         or config.mode == "all"
-        or (config.mode == "plus" and kind == "decay")
+        or (config.mode == "plus" and kind in ("decay", "sum"))
     )
 
 
 def kind_of(info: GraphInfo, acc: Accumulator, steps: list[Step], config: CollageConfig) -> str:
-    """``"weights-average"``, ``"decay"`` (b >= plus_min_decay) or ``"accumulator"``."""
+    """``"weights-average"``, ``"decay"`` (b >= plus_min_decay), ``"sum"`` (additions
+    alone: b = 1) or ``"accumulator"``."""
     if any(_averages_weights(info, acc, s) for s in steps):
         return "weights-average"
     b = _decay_factor(info, steps)
     if b is not None and config.plus_min_decay <= b < 1.0:
         return "decay"
+    if b is None and _sums(acc, steps):
+        return "sum"
     return "accumulator"
+
+
+# Dynamo's source of a gradient: scaled, accumulated and zeroed by torch, never a sum of ours
+_GRADIENT = re.compile(r"\.grad$")
+
+
+def _sums(acc: Accumulator, steps: list[Step]) -> bool:
+    """Whether every step of ``acc`` that rounds adds to it (Adagrad's sum of squares,
+    schedule-free's ``z``): the decay ``b = 1``, whose rounding, unlike a decay's, is
+    never forgotten, so ``"plus"`` carries it as it carries decays near 1."""
+    kinds = [s.kind for s in steps if s.kind not in _EXACT_KINDS]
+    return (
+        bool(kinds)
+        and all(k == "add" for k in kinds)
+        and not _GRADIENT.search(acc.name)
+        and not _compat.is_gradient_input(acc.node)
+    )
 
 
 def _reason_to_leave(
@@ -195,18 +216,21 @@ def _reason_to_leave(
     steps = [s for w in writes for s in sites[w].steps]
     if all(s.kind in _EXACT_KINDS for s in steps):
         return "only overwritten or raised to a maximum here (no accumulation): left as written"
-    if _carries(kind_of(info, acc, steps, config), config):
+    kind = kind_of(info, acc, steps, config)
+    if _carries(kind, config):
         return ""
     b = _decay_factor(info, steps)
     described = f"decay {b:g}" if b is not None else "no decay factor"
     if config.mode == "light":
+        # "sum" and "decay" as plus reads them (plus_min_decay is the same config's)
+        by = "mode='plus' or 'all'" if kind in ("decay", "sum") else "mode='all'"
         return (
             f"mode='light' upgrades parameters and averages of weights ({described}); "
-            "mode='plus' or 'all' upgrades optimizer state"
+            f"{by} upgrades it"
         )
     return (
-        f"mode='plus' upgrades decay-style state with decay >= {config.plus_min_decay:g} "
-        f"({described}); mode='all' upgrades it"
+        f"mode='plus' upgrades sums and decay-style state with decay >= "
+        f"{config.plus_min_decay:g} ({described}); mode='all' upgrades it"
     )
 
 

@@ -64,3 +64,41 @@ class SignSGD(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(beta).add_(p.grad, alpha=1 - beta)
                 p.add_(torch.sign(buf), alpha=-lr)
+
+
+class ScheduleFreeAdamW(torch.optim.Optimizer):
+    """Schedule-free AdamW (Defazio et al. 2024), its train-mode step as the reference
+    implementation (facebookresearch/schedule_free, ``AdamWScheduleFree``) writes it, without
+    warmup: the parameters hold ``y``, interpolated toward the iterate ``z`` (optimizer state
+    updated by additions alone) by ``ckp1 = lr^2 / sum of lr^2``, a float that changes every
+    step."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, {**defaults, "k": 0, "weight_sum": 0.0})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr, k = group["betas"], group["lr"], group["k"]
+            bias_correction2 = 1 - beta2 ** (k + 1)
+            weight = lr**2
+            group["weight_sum"] = weight_sum = group["weight_sum"] + weight
+            ckp1 = weight / weight_sum
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "z" not in state:
+                    state["z"] = torch.clone(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                z, exp_avg_sq = state["z"], state["exp_avg_sq"]
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(group["eps"])
+                grad_normalized = p.grad.div(denom)
+                if group["weight_decay"]:
+                    grad_normalized.add_(p, alpha=group["weight_decay"])
+                p.lerp_(end=z, weight=ckp1)
+                p.add_(grad_normalized, alpha=lr * (beta1 * (1 - ckp1) - 1))
+                z.sub_(grad_normalized, alpha=lr)
+            group["k"] = k + 1

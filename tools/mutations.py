@@ -586,3 +586,11 @@ def _restores_unnamed(name):
     from collage_compile import compiler
 
     compiler._LoInputs.watch_restores = lambda self, slots: None
+
+
+@_mutation("plus_leaves_sums")
+def _plus_leaves_sums(name):
+    """``"plus"`` carries decays near 1 but not sums (b = 1): schedule-free's ``z`` plain."""
+    from collage_compile import modes
+
+    modes._sums = lambda acc, steps: False
