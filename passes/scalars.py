@@ -161,8 +161,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
         return _rewrite_arithmetic(graph, node, args, tensors)
     if name == "fma" and len(args) == 3 and not kwargs:
         return _rewrite_fma(node, args, tensors)
-    if name == "lerp" and len(args) == 3 and is_symbolic_float(args[2]) and not kwargs:
-        return _rewrite_lerp(graph, node, args, tensors)
+    if name == "lerp" and is_symbolic_float((bound := _lerp_operands(args, kwargs))[-1]):
+        return _rewrite_lerp(graph, node, bound, tensors)
     if name in _ALPHA_OPS and is_symbolic_float(kwargs.get("alpha")) and len(args) == 2:
         return _rewrite_alpha(graph, node, args, kwargs, tensors)
     if name in _VALUE_OPS and len(args) in (3, 4):
@@ -215,6 +215,16 @@ def _rewrite_fma(node: fx.Node, args: list[Any], tensors: _ScalarTensors) -> boo
         return None
     node.args = tuple(tensors.get(a, *meta).node if is_symbolic_float(a) else a for a in args)
     return True
+
+
+def _lerp_operands(args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """``lerp(input, end, weight)`` operands however they were passed (schedule-free's
+    ``p.lerp_(end=z, weight=ckp1)``); ``[None]`` for any other spelling."""
+    names = ("input", "end", "weight")
+    if len(args) > 3 or set(kwargs) - set(names[len(args) :]):
+        return [None]
+    bound = [*args, *(kwargs.get(k) for k in names[len(args) :])]
+    return bound if all(x is not None for x in bound) else [None]
 
 
 def _rewrite_lerp(

@@ -594,3 +594,12 @@ def _plus_leaves_sums(name):
     from collage_compile import modes
 
     modes._sums = lambda acc, steps: False
+
+
+@_mutation("lerp_keywords_specialize")
+def _lerp_keywords_specialize(name):
+    """A ``lerp`` whose operands are keywords keeps its float weight (it specializes)."""
+    from collage_compile.passes import scalars
+
+    orig = scalars._lerp_operands
+    scalars._lerp_operands = lambda args, kwargs: [None] if kwargs else orig(args, kwargs)
