@@ -585,7 +585,7 @@ def _restore(w, saved):
     w.copy_(saved)
 
 
-@pytest.mark.parametrize("restore", ["snapshot", "once", "set_value"])
+@pytest.mark.parametrize("restore", ["snapshot", "snapshot-held", "once", "set_value"])
 def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     """L-BFGS's strong_wolfe line search, reduced: each step tries a move, restores the
     weights from a snapshot, then takes the final move, every write in a collage graph.  A
@@ -594,7 +594,8 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     float64, and that is named once, on the third restore.  One restore (a rollback) drops
     what the pair held then, once, and is not named; a restore of the pair (``value`` /
     ``set_value``) keeps it, within 1 % of float64 where plain bf16 is off by more than
-    half of its movement."""
+    half of its movement.  ``snapshot-held``: the weight reached through a module (held by
+    the graphs, as L-BFGS's ``self._params``) instead of passed in."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(256, generator=g).to(torch.bfloat16))
     start = p.detach().double().clone()
@@ -603,6 +604,14 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     ref = start.clone()
     move = torch.compile(_move, backend=collage_compile.backend)
     restore_hi = torch.compile(_restore, backend=collage_compile.backend)
+    if restore == "snapshot-held":
+        holder = torch.nn.Module()
+        holder.w = p
+        held_move = torch.compile(lambda u: _move(holder.w, u), backend=collage_compile.backend)
+        held_restore = torch.compile(
+            lambda saved: _restore(holder.w, saved), backend=collage_compile.backend
+        )
+        move, restore_hi = (lambda w, u: held_move(u)), (lambda w, s: held_restore(s))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always", collage_compile.CollageWarning)
         for k in range(12):
@@ -611,7 +620,7 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
                 saved = collage_compile.value(p).clone()
                 move(p, trial)
                 collage_compile.set_value(p, saved)
-            elif restore == "snapshot" or k == 2:
+            elif restore.startswith("snapshot") or k == 2:
                 saved = p.detach().clone()
                 move(p, trial)
                 restore_hi(p, saved)
@@ -623,7 +632,7 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     plain_err = relative_error(plain.double(), ref, start)
     print(f"restored ({restore}): collage {err:.3g}, plain bf16 {plain_err:.3g} of float64")
     assert plain_err > 0.5, plain_err
-    if restore == "snapshot":
+    if restore.startswith("snapshot"):
         assert len(said) == 1 and "overwritten with another tensor's values" in said[0], said
         assert "no better than plain bfloat16" in said[0], said
         assert torch.equal(_bits(p), _bits(plain)), "the restores did not drop lo"
