@@ -250,7 +250,35 @@ class MatchContext:
     ) -> None:
         if write in self.sites:
             raise AssertionError(f"write {write.node} claimed twice")
+        if any(self._scaled_by_itself(write.acc, s) for s in steps):
+            return  # left as written: reported as not upgraded, lo restarts after it
         self.sites[write] = Site(write, steps, pattern, consumed)
+
+    def _scaled_by_itself(self, acc: Accumulator, step: Step) -> bool:
+        """A ``mul``/``div`` whose factor has a shape and is computed from the tensor it
+        scales (a max-norm constraint, ``p.div_(p.norm(dim=1, keepdim=True) + c)``): a
+        renormalization, not a decay.  Rewritten, such a factor made Inductor's C++ loop
+        fusion fail (``KeyError: 'buf1'``, torch 2.13) where the graph as written compiles,
+        so it is left as written (named; lo restarts).  A 0-dim factor (``p / p.norm()``)
+        is carried."""
+        if step.kind not in ("mul", "div") or not step.args:
+            return False
+        factor = step.args[0]
+        if not isinstance(factor, fx.Node):
+            return False
+        ex = _compat.example_value(factor)
+        if not isinstance(ex, torch.Tensor) or ex.dim() == 0:
+            return False
+        seen, todo = set(), [factor]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if any(a is acc for a, _ in self.info.accumulators_of_node(node)):
+                return True
+            todo.extend(node.all_input_nodes)
+        return False
 
 
 # ---- emission -----------------------------------------------------------------------------

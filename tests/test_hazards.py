@@ -526,3 +526,42 @@ def test_a_copy_source_used_elsewhere_keeps_the_chain_split():
     assert torch.equal(p.detach(), ref)  # hi: rounded to nearest, as eager
     assert torch.equal(collage_compile.value(p), start * 0.5 + 0.25)  # hi + lo: exact
     assert not torch.equal(ref.float(), start * 0.5 + 0.25)  # which plain bf16 is not
+
+
+@pytest.mark.parametrize("spelling", ["div_", "copy_"])
+def test_a_max_norm_constraint_compiles_and_is_named(spelling):
+    """A step post-hook's max-norm constraint (``p.div_(p.norm(dim=1, keepdim=True) + 1)``,
+    Keras-style), compiled into the step by ``compile_optimizer``: its factor has a shape
+    and is computed from the weight itself, a renormalization, not a decay.  Rewritten as
+    one, Inductor's C++ loop fusion failed (``KeyError``) where plain Inductor compiles it
+    (found by a new-user test).  Now the write runs as written, named once, lo restarting
+    after it, and the step matches plain eager bf16 (within 2^-5: Inductor keeps the norm
+    and the division's operands in fp32, eager rounds each to bf16)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    grads = [(0.01 * torch.randn(32, 16, generator=g)).to(torch.bfloat16) for _ in range(3)]
+
+    def run(compiled):
+        p = torch.nn.Parameter(w.clone())
+        opt = torch.optim.SGD([p], lr=1e-3)
+
+        def max_norm(optimizer, args, kwargs):
+            with torch.no_grad():
+                scale = p.norm(dim=1, keepdim=True) + 1.0
+                p.div_(scale) if spelling == "div_" else p.copy_(p * (1.0 / scale))
+
+        opt.register_step_post_hook(max_norm)
+        if compiled:
+            collage_compile.compile_optimizer(opt)
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        return p.detach()
+
+    plain = run(False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        out = run(True)
+    said = [str(r.message) for r in rec if r.category is collage_compile.CollageWarning]
+    assert len(said) == 1 and f"not upgraded: {spelling}" in said[0], said
+    torch.testing.assert_close(out, plain, rtol=2**-5, atol=0)
