@@ -127,6 +127,7 @@ class Step:
         ``"set"``: value = ``args[0]`` (an overwrite: the old lo is discarded; a source
         finer than the storage dtype keeps in lo what hi cannot hold, in fp32 arithmetic)
         ``"max"``: value = max(value, ``args[0]``) (exact: the whole pair is compared)
+        ``"min"``: value = min(value, ``args[0]``) (likewise; a clamp is a max and a min)
     """
 
     kind: str

@@ -357,6 +357,12 @@ def pair_max(s: Any, e: Any, y: Any) -> tuple[Any, Any]:
     return torch.where(take, y, s), torch.where(take, 0.0, e)
 
 
+def pair_min(s: Any, e: Any, y: Any) -> tuple[Any, Any]:
+    """min(s + e, y), the mirror of :func:`pair_max` (a clamp's upper bound)."""
+    take = ((s - y) + e > 0) | torch.isnan(y)
+    return torch.where(take, y, s), torch.where(take, 0.0, e)
+
+
 # --------------------------------------------------------------------------------------
 # "storage" arithmetic: the paper's operations, each rounded to the storage dtype.  The
 # pair is carried as fp32 tensors that hold storage-dtype values.

@@ -73,7 +73,7 @@ def intended_delta(old_hi: Any, old_lo: Any, trace: list[tuple[str, tuple[Any, .
     a large weight): ``add u``: d + u; ``mul c``: d*c + old*(c - 1), with c - 1 taken from the
     constant's two fp32 parts; ``div c``: d/c + old*(1 - c)/c; ``lerp(end, w)``:
     d + (end - old - d)*w; ``set v``: v - old; ``max y``: y - old where y exceeds
-    old + d, else d.
+    old + d, else d (``min y`` where y is below it).
     """
     d: Any = 0.0  # a Python 0 until a step makes it a tensor (fewer ops in the kernel)
     full = False  # d has old_hi's shape (a step read old_hi)
@@ -97,9 +97,10 @@ def intended_delta(old_hi: Any, old_lo: Any, trace: list[tuple[str, tuple[Any, .
         elif kind == "set":
             d = (args[0] - old_hi) - old_lo
             full = True
-        elif kind == "max":
+        elif kind in ("max", "min"):
             (y,) = args
-            take = (((old_hi - y) + old_lo) + d < 0) | torch.isnan(y)
+            past = ((old_hi - y) + old_lo) + d  # old + d - y
+            take = ((past < 0) if kind == "max" else (past > 0)) | torch.isnan(y)
             d = torch.where(take, (y - old_hi) - old_lo, d)
             full = True
         else:

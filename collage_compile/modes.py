@@ -46,7 +46,7 @@ from collage_compile.config import CollageConfig
 from collage_compile.passes._common import is_number, is_scalar_like, op_name
 
 # steps that round nothing: a tensor written by these alone accumulates nothing
-_EXACT_KINDS = frozenset({"set", "max"})
+_EXACT_KINDS = frozenset({"set", "max", "min"})
 
 
 def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
@@ -215,7 +215,7 @@ def _reason_to_leave(
             return f"written by {what}, which is not an accumulation: left as written"
     steps = [s for w in writes for s in sites[w].steps]
     if all(s.kind in _EXACT_KINDS for s in steps):
-        return "only overwritten or raised to a maximum here (no accumulation): left as written"
+        return "only overwritten or bounded (maximum, minimum, clamp) here (no accumulation): left as written"
     kind = kind_of(info, acc, steps, config)
     if _carries(kind, config):
         return ""

@@ -95,8 +95,8 @@ def _fp32_step(hi: Any, s: Any, e: Any, kind: str, args: Any, fn: Any) -> tuple[
         return mcf.dw_add(s, e, ((f32(end) - s) - e) * f32(weight))
     if kind == "set":
         return _set_value(hi, args[0]), torch.zeros_like(hi, dtype=torch.float32)
-    if kind == "max":
-        return mcf.pair_max(s, e, _max_operand(hi, args[0]))
+    if kind in _BOUNDS:
+        return _BOUNDS[kind](s, e, _max_operand(hi, args[0]))
     raise ValueError(f"unknown step kind {kind!r}")
 
 
@@ -121,8 +121,8 @@ def _storage_step(
         return mcf.round_to(_set_value(hi, args[0]), dtype), torch.zeros_like(
             hi, dtype=torch.float32
         )
-    if kind == "max":  # y rounded to storage first, as every storage operand is
-        return mcf.pair_max(a, r, mcf.round_to(_max_operand(hi, args[0]), dtype))
+    if kind in _BOUNDS:  # y rounded to storage first, as every storage operand is
+        return _BOUNDS[kind](a, r, mcf.round_to(_max_operand(hi, args[0]), dtype))
     raise ValueError(f"unknown step kind {kind!r}")
 
 
@@ -143,8 +143,8 @@ def trace_steps(hi: Any, steps: list[tuple[str, tuple[Any, ...], Any]]) -> list[
             out.append(("lerp", (f32(args[0]), f32(args[1]))))
         elif kind == "set":
             out.append(("set", (_set_value(hi, args[0]),)))
-        elif kind == "max":
-            out.append(("max", (_max_operand(hi, args[0]),)))
+        elif kind in _BOUNDS:
+            out.append((kind, (_max_operand(hi, args[0]),)))
         else:
             raise ValueError(f"unknown step kind {kind!r}")
     return out
@@ -160,8 +160,13 @@ def _set_value(hi: Any, src: Any) -> Any:
     return torch.full_like(hi, float(src), dtype=torch.float32)
 
 
+# steps that bound the value (a maximum, a minimum: a clamp is one of each), exact on a pair
+_BOUNDS = {"max": mcf.pair_max, "min": mcf.pair_min}
+
+
 def _max_operand(hi: Any, y: Any) -> Any:
-    """The ``y`` of a maximum in fp32, a tensor of ``hi``'s shape (a number fills one)."""
+    """The ``y`` of a maximum or minimum in fp32, a tensor of ``hi``'s shape (a number
+    fills one)."""
     return torch.full_like(hi, float(y), dtype=torch.float32) if is_number(y) else f32(y)
 
 

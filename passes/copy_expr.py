@@ -8,7 +8,7 @@ Before (single-tensor Adam's second moment, as Dynamo captures it)::
 
 The source is walked back to the tensor's current value through affine operations (``+``,
 ``-``, ``*``, ``/`` by something independent of it, ``fma``, ``addcdiv``, ``addcmul``,
-``lerp`` and dtype conversions) and ``torch.maximum`` (a step the pair carries exactly,
+``lerp`` and dtype conversions) and ``torch.maximum`` / ``minimum`` / ``clamp`` (steps the pair carries exactly,
 :mod:`~collage_compile.passes.maximum`); each becomes a :class:`Step`, so the copy above is the
 additive step ``+ (g*g) * 0.001``, chained with the ``mul_`` before it::
 
@@ -98,6 +98,8 @@ _ADDCDIV = {torch.addcdiv, "addcdiv"}
 _ADDCMUL = {torch.addcmul, "addcmul"}
 _LERP = {torch.lerp, "lerp"}
 _MAXIMUM = {torch.maximum, "maximum"}
+_MINIMUM = {torch.minimum, "minimum"}
+_CLAMP = {torch.clamp, torch.clip, "clamp", "clip"}
 _TRANSPARENT_METHODS = {
     "float",
     "bfloat16",
@@ -130,6 +132,7 @@ def _fma_sig(a: Any, b: Any, c: Any) -> None: ...
 def _addc_sig(input: Any, tensor1: Any, tensor2: Any, value: Any = 1) -> None: ...
 def _lerp_sig(input: Any, end: Any, weight: Any) -> None: ...
 def _max_sig(input: Any, other: Any) -> None: ...
+def _clamp_sig(input: Any, min: Any = None, max: Any = None) -> None: ...
 
 
 def _product(a: Any, b: Any) -> Any:
@@ -332,8 +335,16 @@ def _lerp_readings(key: Any, b: tuple[Any, ...]) -> Reading:
 
 def _max_readings(key: Any, b: tuple[Any, ...]) -> Reading:
     x, y = b  # not affine, but a step the pair carries exactly (passes/maximum.py)
-    yield "maximum", x, [Step("max", (y,))], (y,)
-    yield "maximum", y, [Step("max", (x,))], (x,)
+    kind, label = ("max", "maximum") if key in _MAXIMUM else ("min", "minimum")
+    yield label, x, [Step(kind, (y,))], (y,)
+    yield label, y, [Step(kind, (x,))], (x,)
+
+
+def _clamp_readings(key: Any, b: tuple[Any, ...]) -> Reading:
+    x, low, high = b  # a maximum, then a minimum (torch's order)
+    bounds = [(kind, y) for kind, y in (("max", low), ("min", high)) if y is not None]
+    if bounds:
+        yield "clamp", x, [Step(kind, (y,)) for kind, y in bounds], tuple(y for _, y in bounds)
 
 
 _READINGS = (
@@ -343,7 +354,8 @@ _READINGS = (
     (_NEG, _neg_sig, _neg_readings),
     (_ADDCDIV | _ADDCMUL, _addc_sig, _addc_readings),
     (_LERP, _lerp_sig, _lerp_readings),
-    (_MAXIMUM, _max_sig, _max_readings),
+    (_MAXIMUM | _MINIMUM, _max_sig, _max_readings),
+    (_CLAMP, _clamp_sig, _clamp_readings),
 )
 
 

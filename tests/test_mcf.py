@@ -398,10 +398,12 @@ def test_division_by_a_tensor_is_carried_by_the_pair(hl, ds, dtype, arithmetic):
     st.lists(weights, min_size=N, max_size=N),
     st.sampled_from(DTYPES),
     st.sampled_from(["fp32", "storage"]),
+    st.sampled_from(["max", "min"]),
 )
-def test_a_maximum_compares_the_whole_pair_and_is_exact(hl, where, free, dtype, arithmetic):
-    """max((hi, lo), y) for a storage value y, eager == compiled: exactly max(hi + lo, y),
-    also where y equals hi (only lo's sign decides) or is its neighbour; y wins with lo 0."""
+def test_a_bound_compares_the_whole_pair_and_is_exact(hl, where, free, dtype, arithmetic, kind):
+    """max((hi, lo), y) and min((hi, lo), y) for a storage value y, eager == compiled:
+    exactly max(hi + lo, y) (min), also where y equals hi (only lo's sign decides) or is
+    its neighbour; y wins with lo 0."""
     from collage_compile.rewrite import mcf_chain
 
     hi, lo = _pairs(hl, dtype)
@@ -412,27 +414,29 @@ def test_a_maximum_compares_the_whole_pair_and_is_exact(hl, where, free, dtype, 
     ]
     y = _t(ys, dtype)
 
-    def maximum(a, b, c):
-        return mcf_chain(a, b, [("max", (c,), None)], arithmetic, dtype)
+    def bound(a, b, c):
+        return mcf_chain(a, b, [(kind, (c,), None)], arithmetic, dtype)
 
-    h2, l2 = maximum(hi, lo, y)
-    ch2, cl2 = compiled(f"max_{arithmetic}_{dtype}", maximum)(hi, lo, y)
-    assert _same_bits(h2, ch2) and _same_bits(l2, cl2), "compiled maximum lost a rounding"
+    h2, l2 = bound(hi, lo, y)
+    ch2, cl2 = compiled(f"{kind}_{arithmetic}_{dtype}", bound)(hi, lo, y)
+    assert _same_bits(h2, ch2) and _same_bits(l2, cl2), f"compiled {kind} lost a rounding"
+    pick = max if kind == "max" else min
     for a, b, c, g_hi, g_lo in zip(_frac(hi), _frac(lo), _frac(y), _frac(h2), _frac(l2)):
-        assert g_hi + g_lo == max(a + b, c)
-        if c > a + b:
+        assert g_hi + g_lo == pick(a + b, c)
+        if pick(a + b, c) == c != a + b:
             assert (g_hi, g_lo) == (c, 0)
 
 
+@pytest.mark.parametrize("kind", ["max", "min"])
 @pytest.mark.parametrize("arithmetic", ["fp32", "storage"])
-def test_a_maximum_propagates_nan_from_either_side(arithmetic):
+def test_a_bound_propagates_nan_from_either_side(arithmetic, kind):
     from collage_compile.rewrite import mcf_chain
 
-    nan = float("nan")
+    nan, inf = float("nan"), float("inf") if kind == "max" else -float("inf")
     hi, lo = _t([nan, 1.0, 1.0], torch.bfloat16), _t([0.0, 0.0, 2.0**-10], torch.bfloat16)
-    y = _t([1.0, nan, float("inf")], torch.bfloat16)
-    h2, l2 = mcf_chain(hi, lo, [("max", (y,), None)], arithmetic, torch.bfloat16)
-    assert torch.isnan(h2[:2]).all() and h2[2].item() == float("inf") and l2[2].item() == 0
+    y = _t([1.0, nan, inf], torch.bfloat16)
+    h2, l2 = mcf_chain(hi, lo, [(kind, (y,), None)], arithmetic, torch.bfloat16)
+    assert torch.isnan(h2[:2]).all() and h2[2].item() == inf and l2[2].item() == 0
 
 
 def test_split_round_equals_a_cast_on_normal_bf16_values_ties_included():

@@ -119,7 +119,7 @@ def test_each_mode_upgrades_its_state_and_says_why_it_left_the_rest():
     assert _entry(every, "state[0][1]").applied and _entry(every, "state[0][2]").applied
     for entries in (plus, every):
         maximum = _entry(entries, "state[0][3]")  # max_exp_avg_sq, written by torch.maximum(out=)
-        assert not maximum.applied and "raised to a maximum" in maximum.reason
+        assert not maximum.applied and "bounded" in maximum.reason
         step = _entry(entries, "state[0][0]")
         assert not step.applied and "float32 is not low precision" in step.reason
     # the tensors themselves: a lo holding something where the report says upgraded
@@ -674,14 +674,49 @@ def _decay_then_clamp(xs, gs):
     torch._foreach_clamp_max_(xs, 0.5)
 
 
+def _decay_then_abs(xs, gs):
+    torch._foreach_mul_(xs, 0.999)
+    torch._foreach_add_(xs, gs, alpha=0.001)
+    torch._foreach_abs_(xs)
+
+
+def test_a_decay_then_a_clamp_is_carried():
+    """A second moment ``x = 0.999*x + 0.001*g`` then clamped (``clamp_max_``): plus carries
+    the decay and compares the pair's whole value with the bound, so x follows float64's
+    decay; in plain bf16 ``x * 0.999`` rounds back to ``x`` and x barely moves."""
+
+    def run(dtype, backend=None):
+        xs = [torch.rand(s, generator=torch.Generator().manual_seed(0)) for s in ((16, 8), (8,))]
+        xs = [(x * 0.75).to(torch.bfloat16).to(dtype) for x in xs]  # a quarter start clamped
+        start = [x.double().clone() for x in xs]
+        gs = [torch.full_like(x, 0.01) for x in xs]
+        step = torch.compile(_decay_then_clamp, backend=backend) if backend else _decay_then_clamp
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for _ in range(300):
+                step(xs, gs)
+        value = [collage_compile.value(x) if backend else x for x in xs]
+        return torch.cat([v.double().flatten() for v in value]), torch.cat(
+            [s.flatten() for s in start]
+        )
+
+    ref, start = run(torch.float64)
+    plain, _ = run(torch.bfloat16)
+    got, _ = run(torch.bfloat16, collage_compile.make_backend(mode="plus"))
+    err, plain_err = relative_error(got, ref, start), relative_error(plain, ref, start)
+    print(f"decay then clamp, plus: {err:.2e}, plain bf16 {plain_err:.2e}")
+    assert err <= 1e-3 and plain_err >= 100 * err, (err, plain_err)
+
+
 @pytest.mark.parametrize("mode", ["plus", "all"])
 def test_a_decay_next_to_a_write_the_pair_cannot_carry_is_named(mode):
-    """A second moment ``x = 0.999*x + 0.001*g`` that is then clamped: plus and all carry
-    the decay, but not the clamp written over it, so x stays plain bf16, where ``x * 0.999``
-    rounds back to ``x``.  That is named once for the step's tensors, with the decay."""
+    """A second moment ``x = 0.999*x + 0.001*g`` whose absolute value is then taken in
+    place: plus and all carry the decay, but not the ``abs_`` written over it, so x stays
+    plain bf16, where ``x * 0.999`` rounds back to ``x``.  That is named once for the step's
+    tensors, with the decay."""
     xs = [torch.rand(s).to(torch.bfloat16) for s in ((16, 8), (8,))]
     gs = [torch.full_like(x, 0.01) for x in xs]
-    step = torch.compile(_decay_then_clamp, backend=collage_compile.make_backend(mode=mode))
+    step = torch.compile(_decay_then_abs, backend=collage_compile.make_backend(mode=mode))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", collage_compile.CollageWarning)
         step(xs, gs)

@@ -128,6 +128,30 @@ def _divided(p, g, t):
     return p / (1 + 1e-3)
 
 
+def _clamp(p, g, t):
+    p.add_(g, alpha=-LR)
+    p.clamp_(-0.5, 0.5)
+
+
+def _clamp_keywords(p, g, t):
+    p.sub_(g, alpha=LR)
+    p.clamp_(max=t.abs())  # a tensor bound, one side
+
+
+def _foreach_clamp(p, g, t):
+    torch._foreach_add_([p], [g], alpha=-LR)
+    torch._foreach_clamp_min_([p], -0.5)
+    torch._foreach_clamp_max_([p], 0.5)
+
+
+def _copy_clamp(p, g, t):
+    p.copy_((p - LR * g).clamp(-0.5, 0.5))
+
+
+def _clamped_sgd(p, g, t):
+    return (p - LR * g).clamp(-0.5, 0.5)
+
+
 CASES = {
     "add_": (_add, _sgd),
     "sub_": (_sub, _sgd),
@@ -153,6 +177,11 @@ CASES = {
         lambda p, g, t: p + 5e-4 * (t[0] - p[0]),
     ),
     "_foreach_mul_+addcmul_": (_foreach_mul_add, _decayed_sgd),
+    # a weight constraint after the update: a maximum and a minimum of the pair's value
+    "add_+clamp_": (_clamp, _clamped_sgd),
+    "sub_+clamp_(max=tensor)": (_clamp_keywords, lambda p, g, t: (p - LR * g).clamp(max=t.abs())),
+    "_foreach_clamp_min_+max_": (_foreach_clamp, _clamped_sgd),
+    "copy_(clamp(p - lr*g))": (_copy_clamp, _clamped_sgd),
 }
 
 

@@ -341,7 +341,7 @@ def _zero_lo_on_recompile(name):
 
 @_mutation("keep_lo_after_non_accumulation")
 def _keep_lo_after_non_accumulation(name):
-    """Item 7: no restart after clamp_."""
+    """Item 7: no restart after a write that is not an accumulation (abs_)."""
     from collage_compile import compiler, rewrite
 
     compiler._LoInputs._reset_unchained = lambda self, args: None
@@ -603,3 +603,22 @@ def _lerp_keywords_specialize(name):
 
     orig = scalars._lerp_operands
     scalars._lerp_operands = lambda args, kwargs: [None] if kwargs else orig(args, kwargs)
+
+
+@_mutation("clamps_left")
+def _clamps_left(name):
+    """A clamp of a weight is not a bound the pair carries: lo restarts after it (named)."""
+    from collage_compile.passes import copy_expr, maximum
+
+    orig = maximum._bounds
+    clamps = {"clamp_", "clip_", "clamp_min_", "clamp_max_", "clamp(out=)", "clip(out=)"}
+    maximum._bounds = lambda info, write: None if write.op in clamps else orig(info, write)
+    copy_expr._READINGS = tuple(r for r in copy_expr._READINGS if "clamp" not in r[0])
+
+
+@_mutation("min_as_max")
+def _min_as_max(name):
+    """A minimum carried as a maximum (the upper bound of a clamp ignored)."""
+    from collage_compile import mcf, rewrite
+
+    rewrite._BOUNDS["min"] = mcf.pair_max
