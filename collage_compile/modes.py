@@ -7,7 +7,8 @@ offered to the pattern families first; what they make of its writes (its *steps*
 decides, here, whether the mode carries it as a pair:
 
 - an *average of weights* (``ema.lerp_(p, 1-d)``, ``ema.mul_(d).add_(p, alpha=1-d)``,
-  ``torch._foreach_lerp_``, ``AveragedModel``, ASGD's ``ax += (p - ax) * mu``): every mode;
+  ``torch._foreach_lerp_``, ``AveragedModel``, ASGD's ``ax += (p - ax) * mu``) and a
+  *copy of weights* (Lookahead's ``slow.copy_(p)``): every mode;
 - a *decay-style accumulator* ``x = b*x + (1-b)*y`` with ``b >= plus_min_decay`` (AdamW's
   second moment at b = 0.999, RMSprop's at 0.99; Adamax's ``exp_inf = max(b*x, |g|)``), and
   a *sum* (additions alone, b = 1: Adagrad's sum of squares, schedule-free's ``z``):
@@ -64,6 +65,8 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
             reason = "mode='off' upgrades nothing: plain low-precision arithmetic"
         elif acc.is_weight or acc in averaged_with_weights:
             continue  # a parameter, an alias of a pair's tensor, an EMA's buffer
+        elif _copies_weights(info, writes, ctx.sites):
+            continue  # a snapshot of weights (Lookahead's slow weights)
         else:
             reason = _reason_to_leave(info, acc, writes, ctx.sites, config)
         if not reason:
@@ -80,6 +83,24 @@ def select(info: GraphInfo, ctx: Any, config: CollageConfig) -> None:
     if like_weights and not any(acc.is_weight for acc in writes_of):
         for acc in like_weights:
             acc.warn, acc.reason = True, _LIKE_WEIGHTS.format(mode=config.mode)
+
+
+def _copies_weights(info: GraphInfo, writes: list[Any], sites: dict[Any, Any]) -> bool:
+    """Whether a tensor is a copy of weights: every write an overwrite or a bound, one an
+    overwrite from a weight (Lookahead's ``slow.copy_(p)``, a snapshot to restore).  Left
+    as written it holds the weight's rounded head, and what the copy feeds back (Lookahead's
+    ``p = a*p + (1-a)*slow``) pulls the pair toward that head every time: the weights stall
+    short of updates below half an ulp, in every mode, unnamed.  Carried, it holds the
+    pair's value, in every mode, as an average of weights is."""
+    if not all(w in sites for w in writes):
+        return False
+    steps = [s for w in writes for s in sites[w].steps]
+    return all(s.kind in _EXACT_KINDS for s in steps) and any(
+        s.kind == "set"
+        and isinstance(s.args[0], (fx.Node, Element))
+        and any(full and a.is_weight for a, full in info.accumulators_of_node(s.args[0]))
+        for s in steps
+    )
 
 
 def _name_a_promise(

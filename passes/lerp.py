@@ -166,11 +166,14 @@ def _traced_tensor_weight_lerp(info: GraphInfo, write: Any) -> Step | None:
 
 def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
     """``x.add_((end - x) * w)`` (ASGD's ``ax.add_(p.sub(ax).mul_(mu))``, a hand-written
-    EMA): a lerp toward ``end`` with weight ``w`` (a number or a 0-dim tensor), if neither
-    ``x`` nor ``end`` is written between the subtraction and this write."""
+    EMA) or ``x.add_(end - x, alpha=w)`` (Lookahead's slow weights): a lerp toward ``end``
+    with weight ``w`` (a number or a 0-dim tensor), if neither ``x`` nor ``end`` is written
+    between the subtraction and this write."""
     args = bind(add_, write.args, write.kwargs)
-    if args is None or not is_number(args[1]) or args[1] != 1:
+    if args is None:
         return None
+    if not (is_number(args[1]) and args[1] == 1):
+        return _difference_by_alpha(info, write, *args)
     product, index = _producer(args[0])
     if not isinstance(product, fx.Node) or product.kwargs or len(product.args) != 2:
         return None
@@ -187,6 +190,22 @@ def _scaled_difference(info: GraphInfo, write: Any) -> Step | None:
         ):
             return Step("lerp", (end, weight))
     return None
+
+
+def _difference_by_alpha(info: GraphInfo, write: Any, diff: Any, alpha: Any) -> Step | None:
+    """``x.add_(end - x, alpha=w)``: read from hi alone, ``end - x`` rounds to the storage
+    dtype and loses both tensors' lo (Lookahead's slow weights then stall short of the
+    fast ones); as a lerp the difference is taken against both pairs' whole values."""
+    if not is_scalar_like(alpha):
+        return None
+    end = _end_of_difference(info, diff, write)
+    if end is None:
+        return None
+    if isinstance(alpha, fx.Node) and info.written_between(
+        alpha, info.positions[alpha], info.positions[write.node]
+    ):
+        return None
+    return Step("lerp", (end, alpha))
 
 
 def _traced_foreach_lerp(info: GraphInfo, write: Any) -> Step | None:

@@ -216,6 +216,50 @@ def test_plus_carries_a_sum_in_optimizer_state_as_schedule_free_keeps_its_iterat
         assert rows and all("mode='plus' or 'all' upgrades it" in r for r in rows), rows
 
 
+def _lookahead_run(dtype, form, mode):
+    """Lookahead (tests/user_optimizers.py) around SGD, k = 5, alpha = 0.5, over 200 steps
+    of a fixed gradient stream: the weights at the end, and the start."""
+    import user_optimizers
+
+    g = torch.Generator().manual_seed(0)
+    start = (torch.randn(512, generator=g) * 0.5).to(torch.bfloat16)
+    grads = [(0.5 + 0.25 * torch.randn(512, generator=g)).to(torch.bfloat16) for _ in range(200)]
+    p = torch.nn.Parameter(start.to(dtype))
+    opt = user_optimizers.Lookahead(torch.optim.SGD([p], lr=1e-3), form=form)
+    step = opt.step
+    if mode is not None:
+        step = torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for grad in grads:
+            p.grad = grad.to(dtype)
+            step()
+    value = collage_compile.value(p) if mode is not None else p.detach()
+    named = [str(w.message) for w in said if w.category is collage_compile.CollageWarning]
+    return value.double(), start.double(), opt.state[p]["slow"], named
+
+
+@pytest.mark.parametrize("form", ["timm", "average"])
+def test_lookahead_slow_weights_are_carried_in_light_mode(form):
+    """Lookahead's slow weights are optimizer state that only weights write: timm's
+    ``slow.add_(p - slow, alpha=a)`` computed ``p - slow`` from the two heads (in bf16, both
+    lo lost), torch-optimizer's ``slow.copy_(p)`` kept the head alone; what they feed back
+    into the weights pulled the pairs toward their heads at every sync, so the weights
+    stalled short of SGD's small updates: 0.49 and 0.20 of float64's movement (plain bf16
+    0.78), in every mode, unnamed.  Now the first form is a lerp toward ``p`` and the second
+    a copy of a weight, both carried in every mode.  What remains is the first sync's, where
+    the slow weights are created from the weights' heads (one rounding, once; timm's form
+    names it)."""
+    ref, start, _, _ = _lookahead_run(torch.float64, form, None)
+    plain, _, _, _ = _lookahead_run(torch.bfloat16, form, None)
+    got, _, slow, named = _lookahead_run(torch.bfloat16, form, "light")
+    err, plain_err = relative_error(got, ref, start), relative_error(plain, ref, start)
+    print(f"Lookahead ({form}), light: {err:.2e}, plain bf16 {plain_err:.2e}, said {named}")
+    assert err <= 0.03 and plain_err >= 25 * err, (err, plain_err)
+    assert collage_compile.components(slow)[1] is not None
+    assert len(named) == (1 if form == "timm" else 0), named
+
+
 # ---- averages of weights -------------------------------------------------------------------
 
 

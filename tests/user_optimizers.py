@@ -102,3 +102,46 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
                 p.add_(grad_normalized, alpha=lr * (beta1 * (1 - ckp1) - 1))
                 z.sub_(grad_normalized, alpha=lr)
             group["k"] = k + 1
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) around another optimizer, as timm writes it: every
+    ``k`` steps the slow weights move ``alpha`` of the way toward the fast ones and the fast
+    weights restart from them; the slow weights are created in the base optimizer's state
+    at the first sync.  ``form``: ``"timm"`` (``slow.add_(p - slow, alpha=a);
+    p.copy_(slow)``) or ``"average"`` (torch-optimizer's: ``p.mul_(a).add_(slow,
+    alpha=1 - a); slow.copy_(p)``)."""
+
+    def __init__(self, base, alpha=0.5, k=5, form="timm"):
+        self.base, self.form = base, form
+        self.param_groups, self.state, self.defaults = base.param_groups, base.state, base.defaults
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        for group in self.param_groups:
+            group.update(lookahead_alpha=alpha, lookahead_k=k, lookahead_step=0)
+
+    @torch.no_grad()
+    def update_slow(self, group):
+        a = group["lookahead_alpha"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.base.state[p]
+            if "slow" not in state:
+                state["slow"] = torch.empty_like(p)
+                state["slow"].copy_(p)
+            slow = state["slow"]
+            if self.form == "timm":
+                slow.add_(p - slow, alpha=a)
+                p.copy_(slow)
+            else:
+                p.mul_(a).add_(slow, alpha=1 - a)
+                slow.copy_(p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.base.step(closure)
+        for group in self.base.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"] == 0:
+                self.update_slow(group)
+        return loss

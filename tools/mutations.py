@@ -622,3 +622,19 @@ def _min_as_max(name):
     from collage_compile import mcf, rewrite
 
     rewrite._BOUNDS["min"] = mcf.pair_max
+
+
+@_mutation("difference_by_alpha_plain")
+def _difference_by_alpha_plain(name):
+    """``x.add_(end - x, alpha=w)`` an addition of ``end - x`` computed from the heads."""
+    from collage_compile.passes import lerp
+
+    lerp._difference_by_alpha = lambda info, write, diff, alpha: None
+
+
+@_mutation("weight_copies_left")
+def _weight_copies_left(name):
+    """A copy of weights (Lookahead's ``slow.copy_(p)``) left as written: the head alone."""
+    from collage_compile import modes
+
+    modes._copies_weights = lambda info, writes, sites: False
