@@ -314,7 +314,8 @@ def _compile_analyzed(
     )
     unchained = _unchained(info, unsupported, upgraded)
     _warn_returned_averages(info)
-    if not chains and not any(normalized.values()):
+    clones = rewrite.weight_clones(info)
+    if not chains and not clones and not any(normalized.values()):
         log.debug(
             "collage: nothing to upgrade in graph (%d accumulators seen)", len(info.accumulators)
         )
@@ -328,7 +329,7 @@ def _compile_analyzed(
         ", ".join(f"{k}={v}" for k, v in counts.items()),
     )
     out = _compile_chains(
-        gm, info, chains, upgraded, unsupported, unchained, example_inputs, config
+        gm, info, chains, upgraded, unsupported, unchained, example_inputs, config, clones
     )
     out.decay_watches = _decay_watches(info, ctx.scheduled_decays)
     out.plus_min_decay = config.plus_min_decay
@@ -466,19 +467,23 @@ def _compile_chains(
     unchained: list[Accumulator],
     example_inputs: Sequence[Any],
     config: CollageConfig,
+    clones: list[tuple[Any, Accumulator]] = (),  # type: ignore[assignment]
 ) -> _LoInputs:
     """The graph with its chains rewritten into MCF arithmetic and the lo of each upgraded
     tensor (those ``chains`` update) an input, compiled by Inductor, in the wrapper that
-    passes the lo."""
+    passes the lo; a clone of a weight it returns gets a clone of the weight's lo
+    (:func:`rewrite.weight_clones`)."""
     from collage_compile import passes, rewrite
 
-    # tensors carrying a pair that a chain reads whole (an EMA's parameter) pass their lo in
-    # too, after the upgraded ones
+    # tensors carrying a pair that a chain reads whole (an EMA's parameter) or that the
+    # graph returns a clone of pass their lo in too, after the upgraded ones
     readers = rewrite.pair_readers(info, chains)
+    readers += list(dict.fromkeys(a for _, a in clones if a not in upgraded and a not in readers))
     with_lo = upgraded + readers
     fake_mode = _compat.fake_mode_of(example_inputs, gm)
     rewrite.add_lo_inputs(gm, with_lo, fake_mode)
     measured = rewrite.emit(gm, info, chains, unsupported, config.arithmetic, config.metrics)
+    new_state = rewrite.add_clone_los(gm, clones)
     if measured:
         rewrite.add_metrics_output(gm, measured)
     passes.finalize(gm)
@@ -497,6 +502,7 @@ def _compile_chains(
         unchained,
         _graph_metrics(measured),
         readers,
+        new_state=new_state,
         scalars=_static_scalars(scalars),
         guards=_scalar_guards(scalars),
     )

@@ -851,6 +851,49 @@ def emit_measurements(
     return measured
 
 
+def weight_clones(info: GraphInfo) -> list[tuple[fx.Node, Accumulator]]:
+    """Outputs that are clones of a weight's whole value: a snapshot the caller keeps and
+    later restores (SAM's ``old_p = p.data.clone()``, L-BFGS's saved weights).  Each gets a
+    copy of the weight's lo (:func:`add_clone_los`), so that a restore from it
+    (``p.copy_(snapshot)``, a copy of a pair's whole value) restores the pair, where the head
+    alone restarted lo at every restore.  A clone the graph then writes is new state, not a
+    snapshot: its lo would not match what the writes leave in it."""
+    out = next(n for n in reversed(info.gm.graph.nodes) if n.op == "output")
+    found: dict[fx.Node, Accumulator] = {}
+    end = len(info.positions)
+    for node in flat_nodes(out.args):
+        if node in found or not _is_clone(node):
+            continue
+        if info.written_between(node, info.positions[node], end):
+            continue  # state made from a weight and updated here (schedule-free's z)
+        ex = _compat.example_value(node)
+        for acc, full in info.accumulators_of_node(node.args[0]):
+            if full and acc.is_weight and isinstance(ex, torch.Tensor) and ex.dtype == acc.dtype:
+                found[node] = acc
+    return list(found.items())
+
+
+def _is_clone(node: fx.Node) -> bool:
+    return bool(node.args) and (
+        (node.op == "call_method" and node.target == "clone")
+        or (node.op == "call_function" and node.target in (torch.clone, torch.Tensor.clone))
+    )
+
+
+def add_clone_los(gm: fx.GraphModule, clones: list[tuple[fx.Node, Accumulator]]) -> list[int]:
+    """Return a clone of each weight's lo, taken where its hi was cloned, after the graph's
+    outputs; the positions of the clones they belong to (the wrapper registers them)."""
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = tuple(out.args[0])
+    los = []
+    for node, acc in clones:
+        with graph.inserting_after(node):
+            los.append(graph.call_method("clone", (acc.lo_node,), dict(node.kwargs)))
+    out.args = ((*values, *los),)
+    return [values.index(node) for node, _ in clones]
+
+
 def add_metrics_output(gm: fx.GraphModule, measured: list[tuple[Accumulator, Any]]) -> None:
     """Stack the sums of every measured tensor into one [n, 7] tensor, returned after the
     graph's own outputs (the backend's wrapper takes it off before Dynamo sees them)."""

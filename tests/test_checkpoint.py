@@ -585,7 +585,14 @@ def _restore(w, saved):
     w.copy_(saved)
 
 
-@pytest.mark.parametrize("restore", ["snapshot", "snapshot-held", "once", "set_value"])
+@torch.no_grad()
+def _snapshot(w):
+    return w.detach().clone()
+
+
+@pytest.mark.parametrize(
+    "restore", ["snapshot", "snapshot-held", "once", "set_value", "compiled-snapshot"]
+)
 def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     """L-BFGS's strong_wolfe line search, reduced: each step tries a move, restores the
     weights from a snapshot, then takes the final move, every write in a collage graph.  A
@@ -595,7 +602,10 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     what the pair held then, once, and is not named; a restore of the pair (``value`` /
     ``set_value``) keeps it, within 1 % of float64 where plain bf16 is off by more than
     half of its movement.  ``snapshot-held``: the weight reached through a module (held by
-    the graphs, as L-BFGS's ``self._params``) instead of passed in."""
+    the graphs, as L-BFGS's ``self._params``) instead of passed in.  ``compiled-snapshot``:
+    the snapshot taken by a collage graph (as L-BFGS's ``_clone_param`` under
+    ``torch.compile``) carries a copy of the weight's lo, so the restore restores the pair
+    and nothing is dropped."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(256, generator=g).to(torch.bfloat16))
     start = p.detach().double().clone()
@@ -604,6 +614,7 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     ref = start.clone()
     move = torch.compile(_move, backend=collage_compile.backend)
     restore_hi = torch.compile(_restore, backend=collage_compile.backend)
+    snapshot = torch.compile(_snapshot, backend=collage_compile.backend)
     if restore == "snapshot-held":
         holder = torch.nn.Module()
         holder.w = p
@@ -620,6 +631,10 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
                 saved = collage_compile.value(p).clone()
                 move(p, trial)
                 collage_compile.set_value(p, saved)
+            elif restore == "compiled-snapshot":
+                saved = snapshot(p)
+                move(p, trial)
+                restore_hi(p, saved)
             elif restore.startswith("snapshot") or k == 2:
                 saved = p.detach().clone()
                 move(p, trial)

@@ -638,3 +638,11 @@ def _weight_copies_left(name):
     from collage_compile import modes
 
     modes._copies_weights = lambda info, writes, sites: False
+
+
+@_mutation("snapshots_hold_hi")
+def _snapshots_hold_hi(name):
+    """A clone of a weight returned by a collage graph holds the head alone (no lo)."""
+    from collage_compile import rewrite
+
+    rewrite.weight_clones = lambda info: []
