@@ -861,8 +861,8 @@ def weight_clones(info: GraphInfo) -> list[tuple[fx.Node, Accumulator]]:
     out = next(n for n in reversed(info.gm.graph.nodes) if n.op == "output")
     found: dict[fx.Node, Accumulator] = {}
     end = len(info.positions)
-    for node in flat_nodes(out.args):
-        if node in found or not _is_clone(node):
+    for node in out.args[0]:  # Dynamo's outputs: a flat tuple
+        if not isinstance(node, fx.Node) or node in found or not _is_clone(node):
             continue
         if info.written_between(node, info.positions[node], end):
             continue  # state made from a weight and updated here (schedule-free's z)
