@@ -97,6 +97,7 @@ def _copies_weights(info: GraphInfo, writes: list[Any], sites: dict[Any, Any]) -
     steps = [s for w in writes for s in sites[w].steps]
     return all(s.kind in _EXACT_KINDS for s in steps) and any(
         s.kind == "set"
+        and bool(s.args)
         and isinstance(s.args[0], (fx.Node, Element))
         and any(full and a.is_weight for a, full in info.accumulators_of_node(s.args[0]))
         for s in steps

@@ -867,8 +867,10 @@ def weight_clones(info: GraphInfo) -> list[tuple[fx.Node, Accumulator]]:
         if info.written_between(node, info.positions[node], end):
             continue  # state made from a weight and updated here (schedule-free's z)
         ex = _compat.example_value(node)
+        if not isinstance(ex, torch.Tensor) or ex.requires_grad:
+            continue  # a forward pass's output, for autograd: not a snapshot
         for acc, full in info.accumulators_of_node(node.args[0]):
-            if full and acc.is_weight and isinstance(ex, torch.Tensor) and ex.dtype == acc.dtype:
+            if full and acc.is_weight and ex.dtype == acc.dtype:
                 found[node] = acc
     return list(found.items())
 
