@@ -369,6 +369,14 @@ def _unchained(
     )
 
 
+def _no_finer(source: fx.Node, acc: Accumulator) -> bool:
+    """Whether ``source`` holds no more precision than ``acc``: an fp32 source (``value(p)``
+    saved, an fp32 master) sets hi and keeps in lo what hi cannot hold, so its restore
+    drops nothing."""
+    ex = _compat.example_value(source)
+    return not isinstance(ex, torch.Tensor) or ex.dtype.itemsize <= acc.dtype.itemsize
+
+
 def _restoring_slots(
     info: GraphInfo, sites: dict[Any, Any], upgraded: list[Accumulator], readers: list[Any]
 ) -> list[int]:
@@ -391,6 +399,7 @@ def _restoring_slots(
             and acc.is_weight
             and isinstance(source, fx.Node)
             and source not in pairs
+            and _no_finer(source, acc)
         ):
             slots.append(slot)
     return slots
@@ -902,15 +911,16 @@ class _LoInputs:
         self._restore_counts = [0] * len(self._restores)
 
     def _restored(self, args: Sequence[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Before the call: the weights it overwrites, each counted if written since this
-        graph last did (named once at :data:`_RESTORES_NAMED`)."""
+        """Before the call: the weights it overwrites, each counted at the first call and
+        whenever written since this graph last did (named once at
+        :data:`_RESTORES_NAMED`: the third restore)."""
         weights = [
             tensors[pos] if pos is not None else args[idx] for _, pos, idx, _ in self._restores
         ]
         named = []
         for i, t in enumerate(weights):
             seen = self._restore_versions[i]
-            if seen is not None and t._version != seen:
+            if seen is None or t._version != seen:
                 self._restore_counts[i] += 1
                 if self._restore_counts[i] == _RESTORES_NAMED:
                     named.append(names.display(t, self._restores[i][3]))

@@ -216,8 +216,8 @@ _GRADIENT = re.compile(r"\.grad$")
 
 
 def _sums(acc: Accumulator, steps: list[Step]) -> bool:
-    """Whether every step of ``acc`` that rounds adds to it (Adagrad's sum of squares,
-    schedule-free's ``z``): the decay ``b = 1``, whose rounding, unlike a decay's, is
+    """Whether every step of ``acc`` that rounds adds to it something not computed from it
+    (Adagrad's sum of squares, schedule-free's ``z``): the decay ``b = 1``, whose rounding, unlike a decay's, is
     never forgotten, so ``"plus"`` carries it as it carries decays near 1."""
     kinds = [s.kind for s in steps if s.kind not in _EXACT_KINDS]
     return (
@@ -225,6 +225,16 @@ def _sums(acc: Accumulator, steps: list[Step]) -> bool:
         and all(k == "add" for k in kinds)
         and not _GRADIENT.search(acc.name)
         and not _compat.is_gradient_input(acc.node)
+        and not any(_addend_reads(s, acc) for s in steps)
+    )
+
+
+def _addend_reads(step: Step, acc: Accumulator) -> bool:
+    """Whether an addition adds something computed from the tensor itself: a decay spelled
+    as one (``m.add_(0.1*g - 0.1*m)``), whose factor the match did not see, is no sum."""
+    nodes = [a.node if isinstance(a, Element) else a for a in step.args]
+    return step.kind == "add" and any(
+        isinstance(n, fx.Node) and _reads(n, acc.node) for n in nodes
     )
 
 

@@ -591,7 +591,8 @@ def _snapshot(w):
 
 
 @pytest.mark.parametrize(
-    "restore", ["snapshot", "snapshot-held", "once", "set_value", "compiled-snapshot"]
+    "restore",
+    ["snapshot", "snapshot-held", "once", "set_value", "compiled-snapshot", "fp32-snapshot"],
 )
 def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     """L-BFGS's strong_wolfe line search, reduced: each step tries a move, restores the
@@ -605,7 +606,9 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
     the graphs, as L-BFGS's ``self._params``) instead of passed in.  ``compiled-snapshot``:
     the snapshot taken by a collage graph (as L-BFGS's ``_clone_param`` under
     ``torch.compile``) carries a copy of the weight's lo, so the restore restores the pair
-    and nothing is dropped."""
+    and nothing is dropped.  ``fp32-snapshot``: ``value(p)`` saved in fp32 and restored by a
+    compiled ``copy_``, which keeps in lo what hi cannot hold: nothing dropped, nothing
+    named (it was named, found in review)."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(256, generator=g).to(torch.bfloat16))
     start = p.detach().double().clone()
@@ -631,8 +634,8 @@ def test_a_weight_restored_from_a_snapshot_on_every_step_is_named(restore):
                 saved = collage_compile.value(p).clone()
                 move(p, trial)
                 collage_compile.set_value(p, saved)
-            elif restore == "compiled-snapshot":
-                saved = snapshot(p)
+            elif restore in ("compiled-snapshot", "fp32-snapshot"):
+                saved = snapshot(p) if restore == "compiled-snapshot" else collage_compile.value(p)
                 move(p, trial)
                 restore_hi(p, saved)
             elif restore.startswith("snapshot") or k == 2:

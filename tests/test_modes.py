@@ -216,6 +216,31 @@ def test_plus_carries_a_sum_in_optimizer_state_as_schedule_free_keeps_its_iterat
         assert rows and all("mode='plus' or 'all' upgrades it" in r for r in rows), rows
 
 
+@pytest.mark.parametrize("spelling", ["lerp_", "add_((g - m) * w)", "add_(w*g - w*m)"])
+def test_plus_leaves_a_first_moment_however_it_is_spelled(spelling):
+    """A first moment at decay 0.9 is left by plus in every spelling: an addition of
+    something computed from the moment itself is a decay, not a sum (``m.add_(0.1*g -
+    0.1*m)``, whose factor the match cannot read, was carried as a sum, found in review)."""
+
+    @torch.no_grad()
+    def step(p, m, g):
+        if spelling == "lerp_":
+            m.lerp_(g, 0.1)
+        elif spelling == "add_((g - m) * w)":
+            m.add_((g - m) * 0.1)
+        else:
+            m.add_(0.1 * g - 0.1 * m)
+        p.add_(m, alpha=-1e-3)
+
+    p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    m = torch.zeros(64, dtype=torch.bfloat16)
+    compiled = torch.compile(step, backend=collage_compile.make_backend(mode="plus"))
+    for _ in range(2):
+        compiled(p, m, torch.randn(64).to(torch.bfloat16))
+    assert collage_compile.components(m)[1] is None
+    assert collage_compile.components(p)[1] is not None
+
+
 def _lookahead_run(dtype, form, mode):
     """Lookahead (tests/user_optimizers.py) around SGD, k = 5, alpha = 0.5, over 200 steps
     of a fixed gradient stream: the weights at the end, and the start."""

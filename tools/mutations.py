@@ -646,3 +646,19 @@ def _snapshots_hold_hi(name):
     from collage_compile import rewrite
 
     rewrite.weight_clones = lambda info: []
+
+
+@_mutation("fp32_restores_named")
+def _fp32_restores_named(name):
+    """A restore from an fp32 source counted as one that drops lo."""
+    from collage_compile import compiler
+
+    compiler._no_finer = lambda source, acc: True
+
+
+@_mutation("sums_read_themselves")
+def _sums_read_themselves(name):
+    """An addition of something computed from the tensor itself counts as a sum."""
+    from collage_compile import modes
+
+    modes._addend_reads = lambda step, acc: False
