@@ -233,9 +233,7 @@ def _addend_reads(step: Step, acc: Accumulator) -> bool:
     """Whether an addition adds something computed from the tensor itself: a decay spelled
     as one (``m.add_(0.1*g - 0.1*m)``), whose factor the match did not see, is no sum."""
     nodes = [a.node if isinstance(a, Element) else a for a in step.args]
-    return step.kind == "add" and any(
-        isinstance(n, fx.Node) and _reads(n, acc.node) for n in nodes
-    )
+    return step.kind == "add" and any(isinstance(n, fx.Node) and _reads(n, acc.node) for n in nodes)
 
 
 def _reason_to_leave(
