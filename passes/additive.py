@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.fx as fx
+
+from collage_compile import _compat
 from collage_compile.accumulators import GraphInfo, Step
-from collage_compile.passes._common import bind, f32, scale
+from collage_compile.passes._common import bind, f32, is_number, op_name, scale
 
 
 def add_(other: Any, alpha: Any = 1) -> Any:
@@ -55,6 +58,36 @@ def match(info: GraphInfo, ctx: Any) -> int:
         args = bind(update, write.args, write.kwargs)
         if args is None:
             continue
+        if write.op in ("add_", "sub_"):
+            args = _scaled_tensor(info, write, *args)
         ctx.claim(write, [Step("add", args, update)], pattern=write.op)
         n += 1
     return n
+
+
+def _scaled_tensor(info: GraphInfo, write: Any, other: Any, alpha: Any) -> tuple[Any, Any]:
+    """``x.add_(y * c)`` as ``x.add_(y, alpha=c)`` where ``y`` is another persistent tensor,
+    not a gradient (a weight, Lookahead's slow weights), and ``c`` a number: the product is
+    then taken on ``y``'s whole value, where a pair's head alone, multiplied in bf16, lost
+    its lo.
+    torch 2.11's Dynamo traces ``x.add_(y, alpha=c)`` itself into that form."""
+    if not (isinstance(other, fx.Node) and is_number(alpha) and op_name(other) == "mul"):
+        return other, alpha
+    if other.kwargs or len(other.args) != 2:
+        return other, alpha
+    for y, c in (other.args, other.args[::-1]):
+        if (
+            isinstance(y, fx.Node)
+            and is_number(c)
+            and any(
+                full and acc is not write.acc and not _is_gradient(acc)
+                for acc, full in info.accumulators_of_node(y)
+            )
+            and not info.written_between(y, info.positions[other], info.positions[write.node])
+        ):
+            return y, c * alpha
+    return other, alpha
+
+
+def _is_gradient(acc: Any) -> bool:
+    return acc.name.endswith(".grad") or _compat.is_gradient_input(acc.node)

@@ -264,7 +264,7 @@ def _lookahead_run(dtype, form, mode):
     return value.double(), start.double(), opt.state[p]["slow"], named
 
 
-@pytest.mark.parametrize("form", ["timm", "average"])
+@pytest.mark.parametrize("form", ["timm", "average", "average-product"])
 def test_lookahead_slow_weights_are_carried_in_light_mode(form):
     """Lookahead's slow weights are optimizer state that only weights write: timm's
     ``slow.add_(p - slow, alpha=a)`` computed ``p - slow`` from the two heads (in bf16, both
@@ -272,7 +272,9 @@ def test_lookahead_slow_weights_are_carried_in_light_mode(form):
     into the weights pulled the pairs toward their heads at every sync, so the weights
     stalled short of SGD's small updates: 0.49 and 0.20 of float64's movement (plain bf16
     0.78), in every mode, unnamed.  Now the first form is a lerp toward ``p`` and the second
-    a copy of a weight, both carried in every mode.  What remains is the first sync's, where
+    a copy of a weight, both carried in every mode; ``add_(slow * (1 - a))`` (the form
+    torch 2.11's Dynamo traces the second into) takes the product on slow's whole value, not
+    its head's in bf16.  What remains is the first sync's, where
     the slow weights are created from the weights' heads (one rounding, once; timm's form
     names it)."""
     ref, start, _, _ = _lookahead_run(torch.float64, form, None)
@@ -317,6 +319,9 @@ def _ema_run(d: float, form: str, drift: float, steps: int, mode: str = "light")
         elif form == "add_((p-e)*w)":
             for e, p in zip(emas, params):
                 e.add_((p - e) * (1 - d))
+        elif form == "mul_+add_(p*w)":  # what torch 2.11's Dynamo traces mul_+add_ into
+            for e, p in zip(emas, params):
+                e.mul_(d).add_(p * (1 - d))
         elif form == "_foreach_add_(_foreach_mul(_foreach_sub))":
             # what torch 2.11's Dynamo traces torch._foreach_lerp_ into: each element of
             # the foreach results a getitem node, the written list returned
@@ -358,6 +363,7 @@ EMA_CASES = [
     (0.999, "mul_+add_", 0.02, 600),
     (0.999, "_foreach_lerp_", 0.02, 600),
     (0.999, "add_((p-e)*w)", 0.02, 600),
+    (0.999, "mul_+add_(p*w)", 0.02, 600),
     (0.999, "_foreach_add_(_foreach_mul(_foreach_sub))", 0.02, 600),
     (0.999, "lerp_(p.view(-1))", 0.02, 600),
     (0.9999, "lerp_", 0.02, 1000),

@@ -110,7 +110,7 @@ class Lookahead(torch.optim.Optimizer):
     weights restart from them; the slow weights are created in the base optimizer's state
     at the first sync.  ``form``: ``"timm"`` (``slow.add_(p - slow, alpha=a);
     p.copy_(slow)``) or ``"average"`` (torch-optimizer's: ``p.mul_(a).add_(slow,
-    alpha=1 - a); slow.copy_(p)``)."""
+    alpha=1 - a); slow.copy_(p)``) or ``"average-product"`` (``add_(slow * (1 - a))``)."""
 
     def __init__(self, base, alpha=0.5, k=5, form="timm"):
         self.base, self.form = base, form
@@ -133,8 +133,11 @@ class Lookahead(torch.optim.Optimizer):
             if self.form == "timm":
                 slow.add_(p - slow, alpha=a)
                 p.copy_(slow)
-            else:
+            elif self.form == "average":
                 p.mul_(a).add_(slow, alpha=1 - a)
+                slow.copy_(p)
+            else:  # "average-product": what torch 2.11's Dynamo traces "average" into
+                p.mul_(a).add_(slow * (1 - a))
                 slow.copy_(p)
 
     @torch.no_grad()

@@ -662,3 +662,11 @@ def _sums_read_themselves(name):
     from collage_compile import modes
 
     modes._addend_reads = lambda step, acc: False
+
+
+@_mutation("scaled_weight_in_bf16")
+def _scaled_weight_in_bf16(name):
+    """``x.add_(y * c)`` of another weight adds the bf16 product of its head."""
+    from collage_compile.passes import additive
+
+    additive._scaled_tensor = lambda info, write, other, alpha: (other, alpha)
