@@ -75,6 +75,9 @@ def _scaled_tensor(info: GraphInfo, write: Any, other: Any, alpha: Any) -> tuple
         return other, alpha
     if other.kwargs or len(other.args) != 2:
         return other, alpha
+    since, at = info.positions[other], info.positions[write.node]
+    if info.written_between(other, since, at):
+        return other, alpha  # the product changed in place before it is added
     for y, c in (other.args, other.args[::-1]):
         if (
             isinstance(y, fx.Node)
@@ -83,7 +86,7 @@ def _scaled_tensor(info: GraphInfo, write: Any, other: Any, alpha: Any) -> tuple
                 full and acc is not write.acc and not _is_gradient(acc)
                 for acc, full in info.accumulators_of_node(y)
             )
-            and not info.written_between(y, info.positions[other], info.positions[write.node])
+            and not info.written_between(y, since, at)
         ):
             return y, c * alpha
     return other, alpha
