@@ -670,3 +670,21 @@ def _scaled_weight_in_bf16(name):
     from collage_compile.passes import additive
 
     additive._scaled_tensor = lambda info, write, other, alpha: (other, alpha)
+
+
+@_mutation("folds_changed_products")
+def _folds_changed_products(name):
+    """``add_(y * c)`` folded even where the product was changed in place before the add."""
+    from collage_compile.passes import additive
+
+    orig = additive._scaled_tensor
+
+    def scaled(info, write, other, alpha):
+        real = info.written_between
+        info.written_between = lambda node, a, b: False if node is other else real(node, a, b)
+        try:
+            return orig(info, write, other, alpha)
+        finally:
+            info.written_between = real
+
+    additive._scaled_tensor = scaled
