@@ -90,6 +90,12 @@ class Accumulator:
         return self.role == "param" or self.carries_pair
 
     @property
+    def is_gradient(self) -> bool:
+        """A gradient (Dynamo's ``.grad`` source, or a gradient input): scaled, accumulated
+        and zeroed by torch, never a sum or a persistent tensor of ours."""
+        return self.name.endswith(".grad") or _compat.is_gradient_input(self.node)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.example.dtype
 

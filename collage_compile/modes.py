@@ -211,20 +211,16 @@ def kind_of(info: GraphInfo, acc: Accumulator, steps: list[Step], config: Collag
     return "accumulator"
 
 
-# Dynamo's source of a gradient: scaled, accumulated and zeroed by torch, never a sum of ours
-_GRADIENT = re.compile(r"\.grad$")
-
-
 def _sums(acc: Accumulator, steps: list[Step]) -> bool:
     """Whether every step of ``acc`` that rounds adds to it something not computed from it
-    (Adagrad's sum of squares, schedule-free's ``z``): the decay ``b = 1``, whose rounding, unlike a decay's, is
-    never forgotten, so ``"plus"`` carries it as it carries decays near 1."""
+    (Adagrad's sum of squares, schedule-free's ``z``): the decay ``b = 1``, whose rounding,
+    unlike a decay's, is never forgotten, so ``"plus"`` carries it as it carries decays
+    near 1."""
     kinds = [s.kind for s in steps if s.kind not in _EXACT_KINDS]
     return (
         bool(kinds)
         and all(k == "add" for k in kinds)
-        and not _GRADIENT.search(acc.name)
-        and not _compat.is_gradient_input(acc.node)
+        and not acc.is_gradient
         and not any(_addend_reads(s, acc) for s in steps)
     )
 
@@ -245,7 +241,10 @@ def _reason_to_leave(
             return f"written by {what}, which is not an accumulation: left as written"
     steps = [s for w in writes for s in sites[w].steps]
     if all(s.kind in _EXACT_KINDS for s in steps):
-        return "only overwritten or bounded (maximum, minimum, clamp) here (no accumulation): left as written"
+        return (
+            "only overwritten or bounded (maximum, minimum, clamp) here (no accumulation): "
+            "left as written"
+        )
     kind = kind_of(info, acc, steps, config)
     if _carries(kind, config):
         return ""

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch.fx as fx
 
-from collage_compile import _compat
 from collage_compile.accumulators import GraphInfo, Step
 from collage_compile.passes._common import bind, f32, is_number, op_name, scale
 
@@ -69,8 +68,7 @@ def _scaled_tensor(info: GraphInfo, write: Any, other: Any, alpha: Any) -> tuple
     """``x.add_(y * c)`` as ``x.add_(y, alpha=c)`` where ``y`` is another persistent tensor,
     not a gradient (a weight, Lookahead's slow weights), and ``c`` a number: the product is
     then taken on ``y``'s whole value, where a pair's head alone, multiplied in bf16, lost
-    its lo.
-    torch 2.11's Dynamo traces ``x.add_(y, alpha=c)`` itself into that form."""
+    its lo.  torch 2.11's Dynamo traces ``x.add_(y, alpha=c)`` itself into that form."""
     if not (isinstance(other, fx.Node) and is_number(alpha) and op_name(other) == "mul"):
         return other, alpha
     if other.kwargs or len(other.args) != 2:
@@ -83,14 +81,10 @@ def _scaled_tensor(info: GraphInfo, write: Any, other: Any, alpha: Any) -> tuple
             isinstance(y, fx.Node)
             and is_number(c)
             and any(
-                full and acc is not write.acc and not _is_gradient(acc)
+                full and acc is not write.acc and not acc.is_gradient
                 for acc, full in info.accumulators_of_node(y)
             )
             and not info.written_between(y, since, at)
         ):
             return y, c * alpha
     return other, alpha
-
-
-def _is_gradient(acc: Any) -> bool:
-    return acc.name.endswith(".grad") or _compat.is_gradient_input(acc.node)
