@@ -437,7 +437,9 @@ def _take_ours(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str,
     """The lo entries a load without the attach hooks left in the live state, taken out."""
     found: dict[torch.Tensor, dict[str, Any]] = {}
     for p, entry in optimizer.state.items():
-        keys = [k for k in entry or () if _ours(k)]
+        if not isinstance(entry, dict):
+            continue  # None (ZeRO: another rank's parameter), an optimizer's own entry
+        keys = [k for k in entry if _ours(k)]
         if keys:
             found[p] = {k: entry.pop(k) for k in keys}
     return found

@@ -178,7 +178,9 @@ def _name_optimizer_state() -> None:
         # state[i]: the parameter's number in opt.state_dict() (its place in param_groups)
         index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
         for p, st in opt.state.items():
+            if not isinstance(p, torch.Tensor) or not isinstance(st, dict):
+                continue  # an optimizer's own entry (MADGRAD's state["k"], a step count)
             base = _given.get(p) or _learned.get(p) or f"state[{index.get(id(p), '?')}]"
-            for key, v in (st or {}).items():  # None: ZeRO, another rank's parameter
+            for key, v in st.items():
                 if isinstance(v, torch.Tensor):
                     _derived[v] = f"{base}.{key}"
