@@ -37,6 +37,7 @@ from collage_compile import (
     _compat,
     decays,
     names,
+    outputs,
     remainder,
     replay,
     report,
@@ -224,6 +225,19 @@ def _without_step_ticks(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
+class _Separated:
+    """A compiled step with no pairs whose new outputs are separated after each call
+    (:mod:`collage_compile.outputs`)."""
+
+    replay_role = "graph"
+
+    def __init__(self, compiled: Callable[..., Any], separate: outputs.Plan):
+        self.compiled, self.separate = compiled, separate
+
+    def __call__(self, *args: Any) -> Any:
+        return outputs.separated(self.compiled(*args), args, self.separate)
+
+
 class _StepTicks:
     """A compiled graph with nothing to upgrade that followed optimizer steps: the
     optimizer watch runs after each call (:func:`_without_step_ticks`)."""
@@ -271,7 +285,14 @@ def _compile_rewritten(
     # miscompiles them on AVX-512, silently); a forward pass goes to Inductor untouched
     tiles = _compat.no_low_precision_tiles() if info.writes else contextlib.nullcontext()
     with tiles:
-        return _compile_analyzed(original, gm, normalized, info, example_inputs, config, record)
+        compiled = _compile_analyzed(original, gm, normalized, info, example_inputs, config, record)
+    separate = outputs.plan(original, example_inputs) if info.writes else []
+    if not separate:
+        return compiled
+    if isinstance(compiled, _LoInputs):
+        compiled.separate = separate
+        return compiled
+    return _Separated(compiled, separate)
 
 
 def _compile_analyzed(
@@ -750,6 +771,8 @@ class _LoInputs:
         self.exact = exact  # lo inputs are exact remainders (mode="exact")
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
+        # new outputs Inductor may return on an input's or another output's memory
+        self.separate: outputs.Plan = []
         # decays a schedule changes, for which plus left tensors (set by the compiler)
         self.decay_watches: list[decays.DecayWatch] = []
         self.plus_min_decay = 1.0
@@ -1027,6 +1050,8 @@ class _LoInputs:
             sums = out[-1].clone() if self.replayed else out[-1]
             self.metrics.record(sums, args)
             out = out[:-1]
+        if self.separate:  # before new state's lo are registered with its tensors
+            out = outputs.separated(out, args, self.separate)
         if self.new_state:
             out = self._pair_new_state(out)
         # hi and lo moved together: remember hi's version as it is now (next call's check)

@@ -274,3 +274,51 @@ def test_adamw_with_dynamic_shapes_splits_its_symbolic_decay_at_run_time(foreach
     print(f"adamw dynamic=True foreach={foreach}: collage {err:.2e}  plain bf16 {plain_err:.2e}")
     assert err <= 0.02
     assert plain_err >= 25 * err
+
+
+def _aggmo_run(
+    foreach: bool, dtype: torch.dtype, compiled: bool
+) -> tuple[list, torch.optim.Optimizer]:
+    """AggMo over 60 steps of gradients written in place (``zero_grad(set_to_none=False)``
+    then a backward: the same gradient tensors every step)."""
+    import user_optimizers
+
+    params = _params(0, 0.5, torch.bfloat16)
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in params]
+    opt = user_optimizers.AggMo(params, lr=1e-3, foreach=foreach)
+    if compiled:
+        collage_compile.compile_optimizer(opt, mode="light")
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for _ in range(60):
+        for p in params:
+            p.grad.copy_((0.01 + 0.005 * torch.randn(p.shape, generator=g)).to(torch.bfloat16))
+        opt.step()
+    return params, opt
+
+
+def test_state_created_in_the_first_step_gets_tensors_of_its_own():
+    """AggMo (tests/user_optimizers.py) creates three momentum buffers as zeros in its first
+    step and writes ``buf.mul_(b).add_(g)``: Inductor folded ``0 * b + g`` to ``g`` and
+    returned the gradient itself as every buffer (plain Inductor alike, pytorch/pytorch
+    #197893), so the three momenta were one tensor, updated three times a step, and the
+    gradient's next in-place write overwrote it: light ended 1.00 of float64's movement off
+    (plain bf16 0.95), with no warning (``MUT=outputs_left_shared``).  The backend now copies such an output off the
+    memory it shares (:mod:`collage_compile.outputs`).  The optimizer also keeps a step
+    count in its own state under a string key (MADGRAD's ``state["k"]``), which the report's
+    names once took for a parameter (a ``TypeError`` from the backend).  The foreach form
+    (``_foreach_mul_``, ``_foreach_add_``) came back separate here: not tested."""
+    params, opt = _aggmo_run(False, torch.bfloat16, compiled=True)
+    ref, _ = _aggmo_run(False, torch.float64, compiled=False)
+    plain, _ = _aggmo_run(False, torch.bfloat16, compiled=False)
+    start = torch.cat([p.detach().double().flatten() for p in _params(0, 0.5, torch.bfloat16)])
+    target = torch.cat([r.detach().flatten() for r in ref])
+    err = relative_error(torch.cat([mcf_value(p).flatten() for p in params]), target, start)
+    plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
+    print(f"\ncollage {err:.2e}, plain bf16 {plain_err:.2e}")
+    assert err < 0.01 and plain_err > 25 * err
+    memory = [p.grad.untyped_storage().data_ptr() for p in params]
+    for p in params:
+        memory += [b.untyped_storage().data_ptr() for b in opt.state[p]["momentum_buffer"].values()]
+    assert len(set(memory)) == len(memory), "a buffer shares memory with a gradient or another"

@@ -148,3 +148,37 @@ class Lookahead(torch.optim.Optimizer):
             if group["lookahead_step"] % group["lookahead_k"] == 0:
                 self.update_slow(group)
         return loss
+
+
+class AggMo(torch.optim.Optimizer):
+    """Aggregated momentum (Lucas et al. 2019) as pytorch_optimizer writes it: one momentum
+    buffer per beta, created as zeros in the first step and written ``buf.mul_(b).add_(g)``
+    (Inductor folds the first step's ``0 * b + g`` to ``g``), and a step count kept in the
+    optimizer's own state under a string key, as its MADGRAD keeps ``state["k"]``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.0, 0.9, 0.99), foreach=False):
+        super().__init__(params, {"lr": lr, "betas": betas, "foreach": foreach})
+
+    @torch.no_grad()
+    def step(self):
+        if "k" not in self.state:
+            self.state["k"] = torch.zeros((), dtype=torch.long)
+        self.state["k"].add_(1)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = {
+                        b: torch.zeros_like(p) for b in group["betas"]
+                    }
+            step_size = -group["lr"] / len(group["betas"])
+            for b in group["betas"]:
+                bufs = [self.state[p]["momentum_buffer"][b] for p in params]
+                if group["foreach"]:
+                    torch._foreach_mul_(bufs, b)
+                    torch._foreach_add_(bufs, [p.grad for p in params])
+                    torch._foreach_add_(params, bufs, alpha=step_size)
+                else:
+                    for p, buf in zip(params, bufs):
+                        buf.mul_(b).add_(p.grad)
+                        p.add_(buf, alpha=step_size)

@@ -688,3 +688,24 @@ def _folds_changed_products(name):
             info.written_between = real
 
     additive._scaled_tensor = scaled
+
+
+@_mutation("outputs_left_shared")
+def _outputs_left_shared(name):
+    """New state Inductor returns on a gradient's or another output's memory kept there."""
+    from collage_compile import outputs
+
+    outputs.separated = lambda out, args, found: out
+
+
+@_mutation("state_keys_are_tensors")
+def _state_keys_are_tensors(name):
+    """Every key of an optimizer's state taken for a parameter (MADGRAD's ``state["k"]``)."""
+    from collage_compile import names
+
+    def name_optimizer_state():
+        for opt in (r() for r in names._optimizers):
+            for p in opt.state if opt is not None else ():
+                names._given.get(p)
+
+    names._name_optimizer_state = name_optimizer_state
