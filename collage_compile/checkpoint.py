@@ -267,8 +267,8 @@ class _OptimizerHooks:
         packed = {}
         without = []
         for i, entry in sd["state"].items():
-            if entry is None:  # ZeroRedundancyOptimizer: a parameter another rank steps
-                packed[i] = entry
+            if not isinstance(entry, dict):  # None (ZeRO: another rank's parameter), or
+                packed[i] = entry  # an optimizer's own entry (MADGRAD's state["k"])
                 continue
             ours = {k: v for k, v in entry.items() if _ours(k)}
             if ours:

@@ -12,10 +12,12 @@ became a no-op fails.
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
 import torch
+import user_optimizers
 from conftest import mcf_value, relative_error
 
 import collage_compile
@@ -281,8 +283,6 @@ def _aggmo_run(
 ) -> tuple[list, torch.optim.Optimizer]:
     """AggMo over 60 steps of gradients written in place (``zero_grad(set_to_none=False)``
     then a backward: the same gradient tensors every step)."""
-    import user_optimizers
-
     params = _params(0, 0.5, torch.bfloat16)
     params = [torch.nn.Parameter(p.detach().to(dtype)) for p in params]
     opt = user_optimizers.AggMo(params, lr=1e-3, foreach=foreach)
@@ -307,7 +307,8 @@ def test_state_created_in_the_first_step_gets_tensors_of_its_own():
     (plain bf16 0.95), with no warning (``MUT=outputs_left_shared``).  The backend now copies such an output off the
     memory it shares (:mod:`collage_compile.outputs`).  The optimizer also keeps a step
     count in its own state under a string key (MADGRAD's ``state["k"]``), which the report's
-    names once took for a parameter (a ``TypeError`` from the backend).  The foreach form
+    names and a checkpoint's load once took for a parameter's (a ``TypeError``, an
+    ``AttributeError``).  The foreach form
     (``_foreach_mul_``, ``_foreach_add_``) came back separate here: not tested."""
     params, opt = _aggmo_run(False, torch.bfloat16, compiled=True)
     ref, _ = _aggmo_run(False, torch.float64, compiled=False)
@@ -322,3 +323,18 @@ def test_state_created_in_the_first_step_gets_tensors_of_its_own():
     for p in params:
         memory += [b.untyped_storage().data_ptr() for b in opt.state[p]["momentum_buffer"].values()]
     assert len(set(memory)) == len(memory), "a buffer shares memory with a gradient or another"
+    # its checkpoint, "k" included, loads into a fresh compiled copy that steps as it does
+    collage_compile.attach(opt)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = user_optimizers.AggMo(twins, lr=1e-3)
+    collage_compile.attach(collage_compile.compile_optimizer(twin, mode="light"))
+    buffer.seek(0)
+    twin.load_state_dict(torch.load(buffer))
+    for p, q in zip(params, twins):
+        q.grad = p.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(mcf_value(p), mcf_value(q)) for p, q in zip(params, twins))
+    assert int(twin.state["k"]) == int(opt.state["k"]) == 61
