@@ -46,6 +46,8 @@ ELSEWHERE = {
     "tests/test_tiles.py checks the backend's answer to it",
     "python tools/probe_exact.py": "a GPU: exact mode's step against the fp32 step's, in ulps",
     "python tools/replay_all.py": "minutes of compiles; tests/test_replay.py pins the families",
+    "python tools/third_party.py": "pytorch_optimizer and schedulefree, installed by hand; "
+    "about 10 minutes",
 }
 _COMMAND = re.compile(r"(?:^|`|\$ )(python3? (?:-m [^\s`]+|[^\s`]+\.py)(?: [^`\n]*)?)", re.M)
 

@@ -218,6 +218,31 @@ def test_the_recompile_limit_is_named_once():
     assert "plain low precision" in msgs[0]
 
 
+def test_the_recompile_limit_is_named_again_for_a_new_run_after_a_reset():
+    """Two runs in one process (a sweep in a notebook), ``torch._dynamo.reset()`` before
+    each, both past the limit: the second run's tensors were marked named (so that its
+    eager steps are not named twice) while the warning, given once per function, said
+    nothing: it trained in plain bf16 with no warning (pytorch_optimizer's LAMB after its
+    Adan in ``python tools/third_party.py``, each compiled again every step for
+    ``math.pow(beta, step)`` of a Python int).  Each run's tensors are named now."""
+    named = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        p, opt, step, g = _setup(1)
+        with (
+            torch._dynamo.config.patch(recompile_limit=1),
+            warnings.catch_warnings(record=True) as rec,
+        ):
+            warnings.simplefilter("always")
+            for k in range(4):
+                opt.param_groups[0]["maximize"] = bool(k % 2 == 0)
+                _grad(p, g)
+                step()
+        named.append(_collage_warnings(rec))
+    assert [len(m) for m in named] == [1, 1], named
+    assert all("hit config.recompile_limit (1)" in m[0] for m in named), named
+
+
 def test_an_optimizer_whose_step_never_compiles_is_named():
     """Every optimizer runs torch.optim's step wrapper, and Dynamo guards each compiled
     optimizer by identity there.  Optimizers ``compile_optimizer`` compiled leave room

@@ -1,0 +1,103 @@
+"""Third-party optimizers under ``compile_optimizer``, each against a float64 run of itself.
+
+    pip install pytorch_optimizer==4.1.0 schedulefree==1.4.1
+    python tools/third_party.py [name ...]      # pytorch_optimizer names, sf_adamw, sf_sgd
+
+Not part of the suite (the packages are not dependencies; 40 optimizers take about 10
+minutes on 2 cores).  Per optimizer: a (64, 32) matrix and a (64,) vector in bf16, 60 steps
+of gradients 0.01 +- 0.005, lr 1e-4; the error is ||value - float64|| / ||float64's
+movement|| of the same optimizer run in float64 on the same gradients (its own algebra in
+bf16 state counts too, so "plain" is the bar, not zero), for plain bf16 (eager), then
+light and plus with the CollageWarnings each run raised.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import torch
+
+import collage_compile
+
+STEPS = 60
+DEFAULT = (
+    "adamw sgd lion tiger adan lamb adabelief came adopt ademamix laprop mars stableadamw "
+    "adamp madgrad emonavi novograd yogi apollo sgdw qhadam aggmo lars scion adalite grams "
+    "simplifiedademamix amos kron splus ranger adafactor dadaptadam sf_adamw sf_sgd"
+).split()
+
+
+def factory(name: str):
+    if name.startswith("sf_"):
+        import schedulefree
+
+        cls = {"sf_adamw": schedulefree.AdamWScheduleFree, "sf_sgd": schedulefree.SGDScheduleFree}
+
+        def make(params):
+            opt = cls[name](params, lr=1e-4 if name == "sf_adamw" else 1e-3, warmup_steps=0)
+            opt.train()
+            return opt
+
+        return make
+    import pytorch_optimizer
+
+    cls = pytorch_optimizer.load_optimizer(name)
+    lr = 1.0 if name.startswith("dadapt") else 1e-4
+    return lambda params: cls(params, lr=lr)
+
+
+def gradients() -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 32, generator=g) * 0.5, torch.randn(64, generator=g) * 0.5]
+    grads = [
+        tuple((0.01 + 0.005 * torch.randn(s.shape, generator=g)).bfloat16() for s in start)
+        for _ in range(STEPS)
+    ]
+    return [s.bfloat16() for s in start], grads
+
+
+def run(make, dtype: torch.dtype, mode: str | None) -> tuple[torch.Tensor, list[str]]:
+    start, grads = gradients()
+    params = [torch.nn.Parameter(s.to(dtype)) for s in start]
+    opt = make(params)
+    if mode is not None:
+        collage_compile.compile_optimizer(opt, mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.to(dtype).clone()  # some optimizers write their gradient
+            opt.step()
+    named = sorted(
+        {str(w.message)[:110] for w in caught if w.category.__name__ == "CollageWarning"}
+    )
+    value = collage_compile.value if mode is not None else torch.Tensor.detach
+    return torch.cat([value(p).double().flatten() for p in params]), named
+
+
+def measure(name: str) -> None:
+    torch._dynamo.reset()
+    make = factory(name)
+    origin = torch.cat([s.double().flatten() for s in gradients()[0]])
+    ref, _ = run(make, torch.float64, None)
+    error = lambda v: ((v - ref).norm() / (ref - origin).norm()).item()
+    row = [f"{name:20s} plain {error(run(make, torch.bfloat16, None)[0]):7.3g}"]
+    notes = []
+    for mode in ("light", "plus"):
+        t = time.perf_counter()
+        try:
+            value, named = run(make, torch.bfloat16, mode)
+        except Exception as e:  # an optimizer Dynamo or Inductor cannot compile
+            row.append(f"{mode} failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}")
+            continue
+        row.append(f"{mode} {error(value):7.3g} ({time.perf_counter() - t:3.0f} s)")
+        notes += [f"    {mode}: {n}" for n in named]
+    print("  ".join(row), *notes, sep="\n", flush=True)
+
+
+if __name__ == "__main__":
+    torch._dynamo.config.capture_scalar_outputs = True  # Adafactor-style .item()
+    for name in sys.argv[1:] or DEFAULT:
+        measure(name)
