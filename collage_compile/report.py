@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from collage_compile import _compat, names
 from collage_compile.accumulators import readable_name, real_value, storage_key
@@ -51,6 +52,25 @@ class Entry:
     def name(self) -> str:
         """The tensor's name as shown (see :mod:`collage_compile.names`)."""
         return names.display(self.ref() if self.ref is not None else None, self.tensor)
+
+
+# reason -> the live tensors named for it: another model's or optimizer's tensors of the
+# same names (a sweep in one process, torch._dynamo.reset() between runs) are named again
+_told: dict[str, WeakIdKeyDictionary] = {}
+
+
+def _untold(reason: str, entries: list[Entry]) -> list[str] | None:
+    """Ids of the tensors of ``entries`` not named for ``reason`` yet (all of them then
+    marked named): empty where every one was; None where none is known (then the names
+    alone say whether it was)."""
+    told = _told.setdefault(reason, WeakIdKeyDictionary())
+    live = [t for e in entries if e.ref is not None and (t := e.ref()) is not None]
+    if not live:
+        return None
+    new = [str(id(t)) for t in live if t not in told]
+    for t in live:
+        told[t] = True
+    return new
 
 
 @dataclasses.dataclass
@@ -105,8 +125,11 @@ class GraphReport:
             patterns = list(dict.fromkeys(p for _, ps in tensors.values() for p in ps))
             shown = [f"{e.name} (shape {list(e.shape)}, {e.dtype})" for e, _ in tensors.values()]
             more = f", and {len(shown) - 4} more" if len(shown) > 4 else ""
+            untold = _untold(reason, [e for e, _ in tensors.values()])
+            if untold == []:
+                continue  # every one of them named for it already
             warn_once(
-                (reason, *map(str, tensors)),
+                (reason, *map(str, tensors), *(untold or ())),
                 f"collage: not upgraded: {' + '.join(patterns)} on {', '.join(shown[:4])}{more}: "
                 f"{reason}",
                 stacklevel=3,

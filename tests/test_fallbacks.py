@@ -243,6 +243,32 @@ def test_the_recompile_limit_is_named_again_for_a_new_run_after_a_reset():
     assert all("hit config.recompile_limit (1)" in m[0] for m in named), named
 
 
+def _abs_step(p):
+    with torch.no_grad():
+        p.add_(1e-3).abs_()  # abs_: a write the pair cannot carry
+
+
+def test_a_write_left_as_written_is_named_for_each_model_of_the_same_names():
+    """The not-upgraded warning was given once per reason and tensor *name*: a second model
+    in the process whose tensors bear the same names (a sweep, ``torch._dynamo.reset()``
+    between runs; timm's RAdam after its AdaBelief, both ``param_groups[0].params[0]``)
+    lost its lo every step unnamed.  Each model's tensors are named now, and a recompile
+    of the same tensors' graph says nothing again."""
+    named = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        p = torch.nn.Parameter(torch.randn(8).bfloat16())
+        step = torch.compile(_abs_step, backend=collage_compile.backend)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            step(p)
+            torch._dynamo.reset()  # the same tensor's graph compiled again
+            step(p)
+        named.append([m for m in _collage_warnings(rec) if "not upgraded" in m])
+    assert [len(m) for m in named] == [1, 1], named
+    assert all("abs_" in m[0] and "p (shape [8]" in m[0] for m in named), named
+
+
 def test_an_optimizer_whose_step_never_compiles_is_named():
     """Every optimizer runs torch.optim's step wrapper, and Dynamo guards each compiled
     optimizer by identity there.  Optimizers ``compile_optimizer`` compiled leave room
