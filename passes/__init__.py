@@ -12,6 +12,8 @@ Before them, normalizations run on the graph where the configuration asks for th
    out in fp32 with one cast, so it rounds once as eager does (see its docstring)
 0. ``batch_norm`` (``mode="all"`` and ``"exact"``) -- a training-mode ``F.batch_norm``'s running statistics
    spelled out as two ``lerp_`` writes, which the lerp family then claims
+0. ``working_copy`` (``"light"``, ``"plus"``, ``"all"``) -- an fp32 copy of a weight updated in
+   place and copied back (Hugging Face's Adafactor), spelled out of place for ``copy_expr``
 0. ``step_size`` (every mode but ``"exact"``) -- Adam's compiled low-precision denominator,
    which divides by the step size, refolded so that ``lr = 0`` updates by 0 instead of
    writing NaN
@@ -50,6 +52,7 @@ from collage_compile.passes import (
     promote,
     scalars,
     step_size,
+    working_copy,
 )
 
 FAMILIES: tuple[tuple[str, Callable[..., int]], ...] = (
@@ -67,6 +70,7 @@ NORMALIZATIONS: tuple[tuple[str, Callable[[Any], bool], Callable[..., int]], ...
     ("eager_alpha", lambda config: config.arithmetic == "storage", eager_alpha.run),
     # exact mode keeps Adam's own rounding: its form of the fix runs after the promotion
     ("step_size", lambda config: config.mode != "exact", step_size.run),
+    ("working_copy", lambda config: config.mode in ("light", "plus", "all"), working_copy.run),
 )
 
 

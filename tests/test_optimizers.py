@@ -338,3 +338,41 @@ def test_state_created_in_the_first_step_gets_tensors_of_its_own():
     twin.step()
     assert all(torch.equal(mcf_value(p), mcf_value(q)) for p, q in zip(params, twins))
     assert int(twin.state["k"]) == int(opt.state["k"]) == 61
+
+
+def _adabelief_run(dtype: torch.dtype, compiled: bool) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(0, 0.5, torch.bfloat16)]
+    opt = user_optimizers.AdaBeliefFP32(params, lr=1e-4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 20))
+    if compiled:
+        collage_compile.compile_optimizer(opt, mode="light")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        for p in params:
+            p.grad = (0.01 + 0.005 * torch.randn(p.shape, generator=g)).bfloat16().to(dtype)
+        opt.step()
+        schedule.step()
+    return params
+
+
+def test_a_step_computed_on_an_fp32_copy_and_copied_back_is_compensated():
+    """timm's AdaBelief (tests/user_optimizers.py), Hugging Face's Adafactor and timm's RAdam
+    compute the step on ``p.float()`` in place and ``p.copy_`` it back: the copy back was
+    named ("not an accumulation") and lo restarted every step, the weights where plain bf16
+    ends (timm's AdaBelief 0.992 of float64's movement off, plain 0.992; timm's RAdam the
+    same, and unnamed where another optimizer's tensors of the same names had been named in
+    the process: ``python tools/third_party.py``'s timm counterpart).  Now the copy is
+    spelled out of place (:mod:`collage_compile.passes.working_copy`) and read as an affine
+    update of the pair, under a warmup schedule (a symbolic ``value=``, which Dynamo writes
+    as ``fma`` then ``copy_`` into the copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        params = _adabelief_run(torch.bfloat16, compiled=True)
+    ref = _adabelief_run(torch.float64, compiled=False)
+    plain = _adabelief_run(torch.bfloat16, compiled=False)
+    start = torch.cat([p.detach().double().flatten() for p in _params(0, 0.5, torch.bfloat16)])
+    target = torch.cat([r.detach().flatten() for r in ref])
+    err = relative_error(torch.cat([mcf_value(p).flatten() for p in params]), target, start)
+    plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
+    print(f"\ncollage {err:.2e}, plain bf16 {plain_err:.2e}")
+    assert err < 0.02 and plain_err > 25 * err

@@ -112,6 +112,21 @@ def _foreach_mul_add(p, g, t):
 
 
 # float64 references of the update each case spells
+def _working_copy(p, g, t):
+    # the step on an fp32 copy, copied back (Hugging Face's Adafactor, timm's AdaBelief)
+    p_fp32 = p.float()
+    p_fp32.mul_(1 - 1e-3)
+    p_fp32.add_(g.float(), alpha=-LR)
+    p.copy_(p_fp32)
+
+
+def _working_copy_set(p, g, t):
+    # Dynamo's spelling of addcdiv_ with a symbolic value: fma, then a copy_ into the copy
+    p_fp32 = p.to(torch.float32)
+    p_fp32.copy_(p_fp32 - LR * g.float())
+    p.copy_(p_fp32)
+
+
 def _sgd(p, g, t):
     return p - LR * g
 
@@ -182,6 +197,8 @@ CASES = {
     "sub_+clamp_(max=tensor)": (_clamp_keywords, lambda p, g, t: (p - LR * g).clamp(max=t.abs())),
     "_foreach_clamp_min_+max_": (_foreach_clamp, _clamped_sgd),
     "copy_(clamp(p - lr*g))": (_copy_clamp, _clamped_sgd),
+    "working_copy(mul_+add_)": (_working_copy, _decayed_sgd),
+    "working_copy(copy_)": (_working_copy_set, _sgd),
 }
 
 

@@ -182,3 +182,43 @@ class AggMo(torch.optim.Optimizer):
                     for p, buf in zip(params, bufs):
                         buf.mul_(b).add_(p.grad)
                         p.add_(buf, alpha=step_size)
+
+
+class AdaBeliefFP32(torch.optim.Optimizer):
+    """AdaBelief (Zhuang et al. 2020) as timm writes it for bf16 weights: the step on an
+    fp32 copy of the weight (decoupled weight decay, then ``addcdiv_``), copied back with
+    ``p.copy_(p_fp32)``, as Hugging Face's Adafactor and timm's RAdam and Adafactor do."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-16, weight_decay=0.01):
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_var"] = torch.zeros_like(p, dtype=torch.float32)
+                p_fp32 = p
+                if p.dtype in {torch.float16, torch.bfloat16}:
+                    p_fp32 = p_fp32.float()
+                p_fp32.mul_(1.0 - lr * group["weight_decay"])
+                state["step"] += 1
+                exp_avg, exp_avg_var = state["exp_avg"], state["exp_avg_var"]
+                exp_avg.mul_(b1).add_(grad, alpha=1 - b1)
+                diff = grad - exp_avg
+                exp_avg_var.mul_(b2).addcmul_(diff, diff, value=1 - b2)
+                bias1 = 1 - b1 ** state["step"]
+                bias2 = 1 - b2 ** state["step"]
+                denom = (exp_avg_var.add_(group["eps"]).sqrt() / bias2.sqrt()).add_(group["eps"])
+                p_fp32.addcdiv_(exp_avg, denom, value=-lr / bias1)
+                if p.dtype in {torch.float16, torch.bfloat16}:
+                    p.copy_(p_fp32)

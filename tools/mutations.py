@@ -709,3 +709,19 @@ def _state_keys_are_tensors(name):
                 names._given.get(p)
 
     names._name_optimizer_state = name_optimizer_state
+
+
+@_mutation("working_copies_left")
+def _working_copies_left(name):
+    """An fp32 working copy updated in place and copied back left as Dynamo wrote it."""
+    from collage_compile import passes
+
+    passes.NORMALIZATIONS = tuple(n for n in passes.NORMALIZATIONS if n[0] != "working_copy")
+
+
+@_mutation("told_by_name")
+def _told_by_name(name):
+    """A tensor not upgraded is named once per name, whatever tensor bears it."""
+    from collage_compile import report
+
+    report._untold = lambda reason, entries: None

@@ -1,7 +1,9 @@
 """Third-party optimizers under ``compile_optimizer``, each against a float64 run of itself.
 
     pip install pytorch_optimizer==4.1.0 schedulefree==1.4.1
-    python tools/third_party.py [name ...]      # pytorch_optimizer names, sf_adamw, sf_sgd
+    pip install --no-deps timm==1.0.31            # its optimizers, without torchvision
+    python tools/third_party.py [name ...]      # pytorch_optimizer names, sf_adamw, sf_sgd,
+                                                # timm:<module>.<Class>, hf_adafactor
 
 Not part of the suite (the packages are not dependencies; 40 optimizers take about 10
 minutes on 2 cores).  Per optimizer: a (64, 32) matrix and a (64,) vector in bf16, 60 steps
@@ -25,11 +27,42 @@ STEPS = 60
 DEFAULT = (
     "adamw sgd lion tiger adan lamb adabelief came adopt ademamix laprop mars stableadamw "
     "adamp madgrad emonavi novograd yogi apollo sgdw qhadam aggmo lars scion adalite grams "
-    "simplifiedademamix amos kron splus ranger adafactor dadaptadam sf_adamw sf_sgd"
+    "simplifiedademamix amos kron splus ranger adafactor dadaptadam sf_adamw sf_sgd "
+    "timm:adabelief.AdaBelief timm:radam.RAdamLegacy timm:nadamw.NAdamW timm:adan.Adan "
+    "timm:lion.Lion timm:laprop.LaProp timm:muon.Muon timm:adopt.Adopt timm:mars.Mars "
+    "timm:adafactor_bv.AdafactorBigVision timm:rmsprop_tf.RMSpropTF timm:sgdw.SGDW "
+    "timm:madgrad.MADGRAD timm:adamp.AdamP timm:nvnovograd.NvNovoGrad timm:adafactor.Adafactor "
+    "hf_adafactor"
 ).split()
 
 
+def _timm(path: str):
+    """timm's optimizer ``module.Class``, its package's ``__init__`` skipped (it imports
+    torchvision, which needs a torch of its own build)."""
+    import importlib
+    import importlib.util
+    import os
+    import types
+
+    if "timm.optim" not in sys.modules:
+        root = importlib.util.find_spec("timm").submodule_search_locations[0]
+        for name, where in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+            package = types.ModuleType(name)
+            package.__path__ = [where]
+            sys.modules[name] = package
+    module, cls = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"timm.optim.{module}"), cls)
+
+
 def factory(name: str):
+    if name.startswith("timm:"):
+        cls = _timm(name[len("timm:") :])
+        return lambda params: cls(params, lr=1e-4)
+    if name == "hf_adafactor":
+        from transformers.optimization import Adafactor
+
+        flags = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+        return lambda params: Adafactor(params, lr=1e-4, **flags)
     if name.startswith("sf_"):
         import schedulefree
 
