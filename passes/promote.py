@@ -218,8 +218,12 @@ class _Walk:
 
     def output(self, node: fx.Node, tensors: list[Promoted]) -> None:
         """Split every written tensor back into (hi, remainder), write back the inputs
-        computed in fp32, and give the graph's outputs their own dtypes again."""
-        with self.graph.inserting_before(node):
+        computed in fp32, and give the graph's outputs their own dtypes again.  The writes
+        go before the grad mode Dynamo restores at the end of a ``no_grad`` step: after it,
+        a write to a weight that requires grad made AOTAutograd trace a training graph that
+        dropped the write where the graph also returns a tensor (``state["step"] += 1``),
+        and the weight took that tensor's value."""
+        with self.graph.inserting_before(_before_grad_mode_restores(node)):
             for t in tensors:
                 if not t.written:
                     continue
@@ -296,3 +300,12 @@ def _cast_target(node: fx.Node, low: dict[fx.Node, torch.dtype]) -> torch.dtype 
         if isinstance(a, torch.dtype):
             dtype = a
     return dtype
+
+
+def _before_grad_mode_restores(output: fx.Node) -> fx.Node:
+    """The first of the ``torch._C._set_grad_enabled`` calls that end the graph just before
+    ``output`` (``output`` itself where there are none)."""
+    point = output
+    while point.prev.op == "call_function" and point.prev.target is torch._C._set_grad_enabled:
+        point = point.prev
+    return point

@@ -376,3 +376,29 @@ def test_a_step_computed_on_an_fp32_copy_and_copied_back_is_compensated():
     plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
     print(f"\ncollage {err:.2e}, plain bf16 {plain_err:.2e}")
     assert err < 0.02 and plain_err > 25 * err
+
+
+def test_exact_mode_of_an_optimizer_that_counts_its_steps_in_its_state():
+    """``mode="exact"`` is the fp32 step.  A hand-written optimizer whose step count is a
+    tensor in its state, advanced by ``state["step"] += 1`` (tests/user_optimizers.py's
+    AdaBelief), returns that tensor from the step's graph; exact mode wrote the weights
+    back after the grad mode Dynamo restores at the step's end, AOTAutograd then traced a
+    training graph that dropped the write, and every weight took the step count's value
+    (2.0, then 3.0: after 12 steps 13.6 away), with no warning (``MUT=writes_after_grad_restore``).
+    The writes now come first."""
+    runs = {}
+    for mode in ("exact", None):
+        g = torch.Generator().manual_seed(0)
+        dtype = torch.bfloat16 if mode else torch.float32
+        ps = [torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).bfloat16().to(dtype))]
+        opt = user_optimizers.AdaBeliefFP32(ps, lr=1e-4)
+        if mode:
+            collage_compile.compile_optimizer(opt, mode=mode)
+        for _ in range(12):
+            ps[0].grad = (0.01 + 0.005 * torch.randn(32, 16, generator=g)).bfloat16().to(dtype)
+            opt.step()
+        runs[mode] = (collage_compile.value(ps[0]) if mode else ps[0].detach()).double()
+    far = (runs["exact"] - runs[None]).abs().max().item()
+    ulp = torch.finfo(torch.float32).eps * runs[None].abs().max().item()
+    print(f"\nexact mode against the fp32 step: {far:.2e} at most ({far / ulp:.1f} ulps)")
+    assert far <= 4 * ulp

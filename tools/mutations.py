@@ -725,3 +725,11 @@ def _told_by_name(name):
     from collage_compile import report
 
     report._untold = lambda reason, entries: None
+
+
+@_mutation("writes_after_grad_restore")
+def _writes_after_grad_restore(name):
+    """Exact mode's write-backs after the grad mode Dynamo restores at a step's end."""
+    from collage_compile.passes import promote
+
+    promote._before_grad_mode_restores = lambda output: output
