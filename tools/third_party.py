@@ -10,7 +10,8 @@ minutes on 2 cores).  Per optimizer: a (64, 32) matrix and a (64,) vector in bf1
 of gradients 0.01 +- 0.005, lr 1e-4; the error is ||value - float64|| / ||float64's
 movement|| of the same optimizer run in float64 on the same gradients (its own algebra in
 bf16 state counts too, so "plain" is the bar, not zero), for plain bf16 (eager), then
-light and plus with the CollageWarnings each run raised.
+light and plus with the CollageWarnings each run raised; and exact mode against the
+optimizer's own fp32 run (exact mode's promise: the fp32 step).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def gradients() -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
 
 
 def run(make, dtype: torch.dtype, mode: str | None) -> tuple[torch.Tensor, list[str]]:
+    torch._dynamo.reset()  # each run its own recompile limit (optimizers share torch.optim's)
     start, grads = gradients()
     params = [torch.nn.Parameter(s.to(dtype)) for s in start]
     opt = make(params)
@@ -111,7 +113,6 @@ def run(make, dtype: torch.dtype, mode: str | None) -> tuple[torch.Tensor, list[
 
 
 def measure(name: str) -> None:
-    torch._dynamo.reset()
     make = factory(name)
     origin = torch.cat([s.double().flatten() for s in gradients()[0]])
     ref, _ = run(make, torch.float64, None)
@@ -127,6 +128,14 @@ def measure(name: str) -> None:
             continue
         row.append(f"{mode} {error(value):7.3g} ({time.perf_counter() - t:3.0f} s)")
         notes += [f"    {mode}: {n}" for n in named]
+    fp32, _ = run(make, torch.float32, None)
+    try:
+        value, named = run(make, torch.bfloat16, "exact")
+        moved = (fp32 - origin).norm()
+        row.append(f"exact vs fp32 {((value - fp32).norm() / moved).item():7.3g}")
+        notes += [f"    exact: {n}" for n in named]
+    except Exception as e:
+        row.append(f"exact failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}")
     print("  ".join(row), *notes, sep="\n", flush=True)
 
 
