@@ -286,8 +286,8 @@ def _compile_rewritten(
     tiles = _compat.no_low_precision_tiles() if info.writes else contextlib.nullcontext()
     with tiles:
         compiled = _compile_analyzed(original, gm, normalized, info, example_inputs, config, record)
-    separate = outputs.plan(original, example_inputs) if info.writes else []
-    if not separate:
+    separate = outputs.plan(original) if info.writes else ([], [])
+    if not separate[1]:
         return compiled
     if isinstance(compiled, _LoInputs):
         compiled.separate = separate
@@ -772,7 +772,7 @@ class _LoInputs:
         # outputs that are new tensors whose remainders follow the outputs (exact mode)
         self.new_state = list(new_state)
         # new outputs Inductor may return on an input's or another output's memory
-        self.separate: outputs.Plan = []
+        self.separate: outputs.Plan | None = None
         # decays a schedule changes, for which plus left tensors (set by the compiler)
         self.decay_watches: list[decays.DecayWatch] = []
         self.plus_min_decay = 1.0

@@ -54,9 +54,11 @@ class Entry:
         return names.display(self.ref() if self.ref is not None else None, self.tensor)
 
 
-# reason -> the live tensors named for it: another model's or optimizer's tensors of the
-# same names (a sweep in one process, torch._dynamo.reset() between runs) are named again
+# reason -> the live tensors named for it, each with a number of its own (never reused,
+# unlike an id): another model's or optimizer's tensors of the same names (a sweep in one
+# process, torch._dynamo.reset() between runs) are named again
 _told: dict[str, WeakIdKeyDictionary] = {}
+_numbers = itertools.count()
 
 
 def _untold(reason: str, entries: list[Entry]) -> list[str] | None:
@@ -67,10 +69,10 @@ def _untold(reason: str, entries: list[Entry]) -> list[str] | None:
     live = [t for e in entries if e.ref is not None and (t := e.ref()) is not None]
     if not live:
         return None
-    new = [str(id(t)) for t in live if t not in told]
-    for t in live:
-        told[t] = True
-    return new
+    new = [t for t in live if t not in told]
+    for t in new:
+        told[t] = next(_numbers)
+    return [str(told[t]) for t in new]
 
 
 @dataclasses.dataclass

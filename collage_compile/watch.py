@@ -518,8 +518,8 @@ def _recompile_limit_hit(function: str, limit: str, value: str, reason: str) -> 
         return
     _limit_named.update(ids)
     shown = _listed(upgraded)
-    warn_once(  # per set of tensors: a new run's after a reset is named too
-        ("recompile-limit", function, str(sorted(ids))),
+    warn_once(  # per set of tensors and reset: a new run's after a reset is named too
+        ("recompile-limit", function, str(sorted(ids)), str(_frames_reset[0])),
         f"collage: torch.compile hit config.{limit} ({value}) for {function} (last reason: "
         f"{reason}). A call of it that matches none of its compiled graphs now runs eagerly, "
         f"and the tensors its collage graphs upgrade ({shown}) are then updated in plain low "

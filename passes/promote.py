@@ -219,11 +219,15 @@ class _Walk:
     def output(self, node: fx.Node, tensors: list[Promoted]) -> None:
         """Split every written tensor back into (hi, remainder), write back the inputs
         computed in fp32, and give the graph's outputs their own dtypes again.  The writes
-        go before the grad mode Dynamo restores at the end of a ``no_grad`` step: after it,
-        a write to a weight that requires grad made AOTAutograd trace a training graph that
-        dropped the write where the graph also returns a tensor (``state["step"] += 1``),
-        and the weight took that tensor's value."""
-        with self.graph.inserting_before(_before_grad_mode_restores(node)):
+        run with grad mode off where the graph turns it on again before it ends (Dynamo
+        restores it after a ``no_grad`` step): with it on, a write to a weight that
+        requires grad made AOTAutograd trace a training graph that dropped the write where
+        the graph also returns a tensor (``state["step"] += 1``), and the weight took that
+        tensor's value."""
+        restores = _grad_mode_at_end(self.graph)
+        with self.graph.inserting_before(node):
+            if restores:  # the writes with grad off, then the mode the graph ends in
+                self.graph.call_function(torch._C._set_grad_enabled, (False,))
             for t in tensors:
                 if not t.written:
                     continue
@@ -236,6 +240,8 @@ class _Walk:
                 self.proxy(t.rem).copy_(rem)
             for i in self.written_back:
                 self.proxy(i).copy_(self.proxy(self.env[i]))
+            if restores:
+                self.graph.call_function(torch._C._set_grad_enabled, (True,))
 
         outputs = list(node.args[0])
         rems = []
@@ -302,10 +308,8 @@ def _cast_target(node: fx.Node, low: dict[fx.Node, torch.dtype]) -> torch.dtype 
     return dtype
 
 
-def _before_grad_mode_restores(output: fx.Node) -> fx.Node:
-    """The first of the ``torch._C._set_grad_enabled`` calls that end the graph just before
-    ``output`` (``output`` itself where there are none)."""
-    point = output
-    while point.prev.op == "call_function" and point.prev.target is torch._C._set_grad_enabled:
-        point = point.prev
-    return point
+def _grad_mode_at_end(graph: fx.Graph) -> bool:
+    """Whether the graph turns grad mode on again before it ends (Dynamo restores it after
+    a ``no_grad`` step): its last ``torch._C._set_grad_enabled`` call enables it."""
+    calls = graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled)
+    return bool(calls) and calls[-1].args[:1] == (True,)

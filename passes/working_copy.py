@@ -91,10 +91,22 @@ def _in_place_ops(cast: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | N
             for u in node.users:
                 heapq.heappush(queue, (order[u], u))
         elif _copies_back(node, src, aliases):
-            return ops or None
+            return ops if ops and _chained(ops, node) else None
         elif _shares(node, key):
             return None  # a view of the copy, or a write through one
     return None
+
+
+def _chained(ops: list[fx.Node], back: fx.Node) -> bool:
+    """Whether each op's result is used only by the next op, as the copy it writes (the
+    last op's: by the copy back): a result read anywhere else is the copy itself, whose
+    later value the rewrite would not give it."""
+    for k, op in enumerate(ops):
+        following = ops[k + 1] if k + 1 < len(ops) else back
+        for u in op.users:
+            if u is not following or u.args[0 if u is not back else 1] is not op:
+                return False
+    return True
 
 
 def _in_place_on(node: fx.Node, aliases: set[fx.Node]) -> bool:
@@ -108,11 +120,19 @@ def _in_place_on(node: fx.Node, aliases: set[fx.Node]) -> bool:
 
 
 def _same(copy: fx.Node) -> bool:
-    dst, src = (_compat.example_value(a) if isinstance(a, fx.Node) else None for a in copy.args)
+    """A ``copy_`` into the copy of a value computed for it alone (of its dtype and shape,
+    used nowhere else), which the copy can become: not another tensor, whose later
+    writes the copy would then share."""
+    src = copy.args[1]
+    if not isinstance(src, fx.Node) or src.op not in ("call_function", "call_method"):
+        return False
+    if len(src.users) != 1:
+        return False
+    dst, value = _compat.example_value(copy.args[0]), _compat.example_value(src)
     return (
         isinstance(dst, torch.Tensor)
-        and isinstance(src, torch.Tensor)
-        and (src.dtype, src.shape) == (dst.dtype, dst.shape)
+        and isinstance(value, torch.Tensor)
+        and (value.dtype, value.shape) == (dst.dtype, dst.shape)
     )
 
 
@@ -147,7 +167,7 @@ def _out_of_place(
             kwargs = _replaced(dict(op.kwargs), cast, current)
             with graph.inserting_before(op):
                 new = graph.call_method(op.target[:-1], args, kwargs)
-            new.meta = dict(op.meta)
+            new.meta = _fresh(op.meta)
             order[new] = order[op]  # its place in the graph: later copies' walks read it
         op.replace_all_uses_with(new)
         graph.erase_node(op)
@@ -159,6 +179,16 @@ def _out_of_place(
             latest = [new for at, new in versions if at < order[user]]
             if latest:
                 user.args, user.kwargs = _replaced((user.args, user.kwargs), cast, latest[-1])
+
+
+def _fresh(meta: dict[str, Any]) -> dict[str, Any]:
+    """The in-place op's metadata for its out-of-place form: a value of its own (the op's
+    shares the copy's storage, which later passes would read as an alias)."""
+    meta = dict(meta)
+    for key in ("example_value", "val"):
+        if isinstance(meta.get(key), torch.Tensor):
+            meta[key] = meta[key].clone()
+    return meta
 
 
 def _replaced(x: Any, cast: fx.Node, new: fx.Node) -> Any:

@@ -382,10 +382,10 @@ def test_exact_mode_of_an_optimizer_that_counts_its_steps_in_its_state():
     """``mode="exact"`` is the fp32 step.  A hand-written optimizer whose step count is a
     tensor in its state, advanced by ``state["step"] += 1`` (tests/user_optimizers.py's
     AdaBelief), returns that tensor from the step's graph; exact mode wrote the weights
-    back after the grad mode Dynamo restores at the step's end, AOTAutograd then traced a
+    back after the grad mode Dynamo restores at the step's end (grad on), AOTAutograd then traced a
     training graph that dropped the write, and every weight took the step count's value
     (2.0, then 3.0: after 12 steps 13.6 away), with no warning (``MUT=writes_after_grad_restore``).
-    The writes now come first."""
+    The writes now run with grad mode off."""
     runs = {}
     for mode in ("exact", None):
         g = torch.Generator().manual_seed(0)
@@ -402,3 +402,25 @@ def test_exact_mode_of_an_optimizer_that_counts_its_steps_in_its_state():
     ulp = torch.finfo(torch.float32).eps * runs[None].abs().max().item()
     print(f"\nexact mode against the fp32 step: {far:.2e} at most ({far / ulp:.1f} ulps)")
     assert far <= 4 * ulp
+
+
+def _first_step_with_views(p, g, state):
+    with torch.no_grad():
+        buf = torch.zeros_like(p)
+        buf.mul_(0.9).add_(g)  # folded to g by Inductor
+        state["buf"], state["flat"] = buf, buf.view(-1)
+        p.add_(buf, alpha=-1e-3)
+
+
+def test_a_new_state_tensor_copied_off_a_gradient_keeps_its_views():
+    """A step that creates a buffer and a view of it (flat state and its parts): where the
+    buffer comes back on the gradient's memory and is copied off it, the view follows it,
+    as in eager (a review of :mod:`collage_compile.outputs` found the view left on the
+    gradient)."""
+    p = torch.nn.Parameter(torch.randn(4, 8).bfloat16())
+    g = torch.randn(4, 8).bfloat16()
+    state = {}
+    torch.compile(_first_step_with_views, backend=collage_compile.backend)(p, g, state)
+    memory = {k: v.untyped_storage().data_ptr() for k, v in state.items()}
+    assert memory["buf"] == memory["flat"] != g.untyped_storage().data_ptr(), memory
+    assert torch.equal(state["flat"], g.flatten())

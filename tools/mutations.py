@@ -732,4 +732,4 @@ def _writes_after_grad_restore(name):
     """Exact mode's write-backs after the grad mode Dynamo restores at a step's end."""
     from collage_compile.passes import promote
 
-    promote._before_grad_mode_restores = lambda output: output
+    promote._grad_mode_at_end = lambda graph: False
