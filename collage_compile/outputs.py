@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat
+from collage_compile.accumulators import storage_key as _storage
 
 __all__ = ["Plan", "plan", "separated"]
 
@@ -128,10 +129,6 @@ def _like(x: Any, value: torch.Tensor) -> bool:
 def _empty(t: torch.Tensor) -> bool:
     n = t.numel()
     return isinstance(n, int) and n == 0
-
-
-def _storage(t: torch.Tensor) -> Any:
-    return _compat.storage_key(t)
 
 
 def _ptr(t: Any) -> int | None:

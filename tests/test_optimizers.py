@@ -278,6 +278,16 @@ def test_adamw_with_dynamic_shapes_splits_its_symbolic_decay_at_run_time(foreach
     assert plain_err >= 25 * err
 
 
+def _errors(params, ref, plain) -> tuple[float, float]:
+    """Errors of the compiled run's pairs and of plain bf16 relative to float64's movement
+    (every run starting from ``_params(0, 0.5)``)."""
+    start = torch.cat([p.detach().double().flatten() for p in _params(0, 0.5, torch.bfloat16)])
+    target = torch.cat([r.detach().flatten() for r in ref])
+    err = relative_error(torch.cat([mcf_value(p).flatten() for p in params]), target, start)
+    plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
+    return err, plain_err
+
+
 def _aggmo_run(
     foreach: bool, dtype: torch.dtype, compiled: bool
 ) -> tuple[list, torch.optim.Optimizer]:
@@ -313,10 +323,7 @@ def test_state_created_in_the_first_step_gets_tensors_of_its_own():
     params, opt = _aggmo_run(False, torch.bfloat16, compiled=True)
     ref, _ = _aggmo_run(False, torch.float64, compiled=False)
     plain, _ = _aggmo_run(False, torch.bfloat16, compiled=False)
-    start = torch.cat([p.detach().double().flatten() for p in _params(0, 0.5, torch.bfloat16)])
-    target = torch.cat([r.detach().flatten() for r in ref])
-    err = relative_error(torch.cat([mcf_value(p).flatten() for p in params]), target, start)
-    plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
+    err, plain_err = _errors(params, ref, plain)
     print(f"\ncollage {err:.2e}, plain bf16 {plain_err:.2e}")
     assert err < 0.01 and plain_err > 25 * err
     memory = [p.grad.untyped_storage().data_ptr() for p in params]
@@ -370,10 +377,7 @@ def test_a_step_computed_on_an_fp32_copy_and_copied_back_is_compensated():
         params = _adabelief_run(torch.bfloat16, compiled=True)
     ref = _adabelief_run(torch.float64, compiled=False)
     plain = _adabelief_run(torch.bfloat16, compiled=False)
-    start = torch.cat([p.detach().double().flatten() for p in _params(0, 0.5, torch.bfloat16)])
-    target = torch.cat([r.detach().flatten() for r in ref])
-    err = relative_error(torch.cat([mcf_value(p).flatten() for p in params]), target, start)
-    plain_err = relative_error(torch.cat([p.detach().flatten() for p in plain]), target, start)
+    err, plain_err = _errors(params, ref, plain)
     print(f"\ncollage {err:.2e}, plain bf16 {plain_err:.2e}")
     assert err < 0.02 and plain_err > 25 * err
 
@@ -387,21 +391,27 @@ def test_exact_mode_of_an_optimizer_that_counts_its_steps_in_its_state():
     (2.0, then 3.0: after 12 steps 13.6 away), with no warning (``MUT=writes_after_grad_restore``).
     The writes now run with grad mode off."""
     runs = {}
-    for mode in ("exact", None):
+    for run, dtype in (
+        ("exact", torch.bfloat16),
+        ("fp32", torch.float32),
+        ("plain", torch.bfloat16),
+    ):
         g = torch.Generator().manual_seed(0)
-        dtype = torch.bfloat16 if mode else torch.float32
         ps = [torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).bfloat16().to(dtype))]
         opt = user_optimizers.AdaBeliefFP32(ps, lr=1e-4)
-        if mode:
-            collage_compile.compile_optimizer(opt, mode=mode)
+        if run == "exact":
+            collage_compile.compile_optimizer(opt, mode="exact")
         for _ in range(12):
             ps[0].grad = (0.01 + 0.005 * torch.randn(32, 16, generator=g)).bfloat16().to(dtype)
             opt.step()
-        runs[mode] = (collage_compile.value(ps[0]) if mode else ps[0].detach()).double()
-    far = (runs["exact"] - runs[None]).abs().max().item()
-    ulp = torch.finfo(torch.float32).eps * runs[None].abs().max().item()
-    print(f"\nexact mode against the fp32 step: {far:.2e} at most ({far / ulp:.1f} ulps)")
-    assert far <= 4 * ulp
+        runs[run] = (collage_compile.value(ps[0]) if run == "exact" else ps[0].detach()).double()
+    far = (runs["exact"] - runs["fp32"]).abs().max().item()
+    plain = (runs["plain"] - runs["fp32"]).abs().max().item()
+    ulp = torch.finfo(torch.float32).eps * runs["fp32"].abs().max().item()
+    print(
+        f"\nexact mode against the fp32 step: {far:.2e} at most ({far / ulp:.1f} ulps), plain bf16 {plain:.2e}"
+    )
+    assert far <= 4 * ulp and plain > 1000 * ulp  # plain bf16 loses on the same stream
 
 
 def _first_step_with_views(p, g, state):
