@@ -528,10 +528,30 @@ def _dtensor_type() -> type | None:
 
 
 def is_gradient_input(node: fx.Node) -> bool:
-    """Whether a graph input is a tensor's ``.grad`` (Dynamo's ``GradSource``; 2.11, 2.13)."""
-    from torch._dynamo.source import GradSource
+    """Whether a graph input is a tensor's ``.grad``: Dynamo's ``GradSource`` where a
+    torch.optim optimizer's ``_init_group`` mapped it, an ``AttrSource`` of member
+    ``grad`` where any other code read ``p.grad`` (third-party and hand-written
+    optimizers; 2.11, 2.13)."""
+    from torch._dynamo.source import AttrSource, GradSource
 
-    return isinstance(getattr(node, "_dynamo_source", None), GradSource)
+    source = getattr(node, "_dynamo_source", None)
+    return isinstance(source, GradSource) or (
+        isinstance(source, AttrSource) and source.member == "grad"
+    )
+
+
+def is_optimizer_state_input(node: fx.Node) -> bool:
+    """Whether a graph input was reached through an object's ``.state`` (an optimizer's
+    ``state`` dict: ``AttrSource(.., 'state')`` somewhere in Dynamo's source chain; 2.11,
+    2.13)."""
+    from torch._dynamo.source import AttrSource
+
+    source = getattr(node, "_dynamo_source", None)
+    while source is not None:
+        if isinstance(source, AttrSource) and source.member == "state":
+            return True
+        source = getattr(source, "base", None)
+    return False
 
 
 def is_dtensor(t: Any) -> bool:

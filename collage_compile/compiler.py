@@ -569,10 +569,11 @@ def _compile_exact(
     record: bool,
 ) -> Callable[..., Any]:
     """``mode="exact"`` (:mod:`collage_compile.exact`); a graph that writes nothing (a
-    forward pass) goes to Inductor untouched."""
+    forward pass) goes to Inductor untouched, unless it makes optimizer state (ADOPT's
+    first step only fills its second moment: :func:`exact.makes_state`)."""
     from collage_compile import exact
 
-    if not info.writes and not any(normalized.values()):
+    if not info.writes and not any(normalized.values()) and not exact.makes_state(gm, info):
         if record:
             report.record(report.GraphReport.build(info, {}, [], config))
         return _compat.compile_with_inductor(

@@ -3,8 +3,11 @@ remainder hold (:mod:`collage_compile.remainder`), bit for bit what the same ste
 on fp32 tensors.
 
     compile_exact(...)
-      -> which tensors   every low-precision tensor the graph writes, and every weight a
-                         write to one of them reads whole (an EMA's parameter)
+      -> which tensors   every low-precision tensor the graph writes, every weight a
+                         write to one of them reads whole (an EMA's parameter), and every
+                         tensor it reads that carries a remainder (state an optimizer
+                         replaces each step); a graph that writes none of them but makes
+                         state (ADOPT's first step) too
       -> remainder inputs, one int16 per tensor (rewrite.add_lo_inputs)
       -> promote         passes.promote: join at the start, the graph's own ops in fp32,
                          split at the end
@@ -71,6 +74,7 @@ def compile_exact(
         for r in rewrite.pair_readers(info, rewrite.plan_chains(info, claimed, []))
         if r.dtype == torch.bfloat16 and r not in chained
     ]
+    readers += _paired_reads(info, chained, set(readers))
     _report(info, chained, set(grads), config, record)
     watch.compiled_frame(
         _compat.current_frame(),
@@ -108,6 +112,41 @@ def compile_exact(
         gm, [*inputs, *rem_examples], patches, config.inductor_cudagraphs
     )
     return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state, statics, host)
+
+
+def _paired_reads(
+    info: GraphInfo, chained: set[Accumulator], readers: set[Accumulator]
+) -> list[Accumulator]:
+    """bf16 inputs this graph reads and does not write that carry a remainder: state an
+    optimizer replaces rather than updates (AdaLite's ``state["v_avg_0"] = v.sum(1)``, a
+    new tensor each step, returned with its remainder), or reads in one graph and writes
+    in another.  Read as the bf16 tensor alone, the step computed on a value one bf16
+    rounding from the fp32 step's; they are read as hi + remainder."""
+    return [
+        a
+        for a in info.accumulators
+        if a.carries_pair
+        and a.dtype == torch.bfloat16
+        and a not in chained
+        and a not in readers
+        and not a.is_gradient
+        and a.node.users
+    ]
+
+
+def makes_state(gm: fx.GraphModule, info: GraphInfo) -> bool:
+    """Whether a graph that writes no input makes optimizer state: it reads a gradient
+    and returns a low-precision tensor it computed (ADOPT's first step fills its second
+    moment from ``grad * grad`` and skips the weights).  Made in bf16 by plain Inductor,
+    that state would start one bf16 rounding from the fp32 step's, with no remainder."""
+    if not any(_compat.is_gradient_input(a.node) for a in info.accumulators):
+        return False
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return any(
+        n.op not in ("placeholder", "get_attr")
+        and getattr(_compat.example_value(n), "dtype", None) in (torch.bfloat16, torch.float16)
+        for n in output.all_input_nodes
+    )
 
 
 def _choose(

@@ -26,7 +26,10 @@ a write no family understands (``torch.maximum``, a write through a view) is as 
 any other.  Inductor lowers the ops as it lowers the fp32 step, bit for bit.
 
 The gradients are upcast at the start (exact), as the fp32 step reads fp32 gradients, so
-an op on gradients alone (Adafactor's row norms) computes in fp32 too.  Each op reading a
+an op on gradients alone (Adafactor's row norms) computes in fp32 too.  A low-precision
+tensor the graph makes with a factory and returns (state made on the first step, CAME's
+``torch.zeros(shape, dtype=grad.dtype)``) is made in fp32, as the fp32 step makes it, and
+returned with its remainder.  Each op reading a
 promoted value reads every other low-precision operand upcast.  An op reading no promoted value
 (a forward pass in the same graph) is left as it is.  A cast that was a no-op on the bf16
 tensor (``x.to(torch.bfloat16)``) stays one; a cast to fp32 becomes a copy.  A
@@ -110,6 +113,11 @@ class _Walk:
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.replaced: dict[fx.Node, fx.Node] = {}  # casts removed -> their operand
         self.new_state: list[int] = []  # outputs whose remainder follows the outputs
+        # an in-place op's result -> the tensor it wrote (``zeros.mul_(b)`` is ``zeros``),
+        # and that tensor -> its names
+        self.same: dict[fx.Node, fx.Node] = {}
+        self.names: dict[fx.Node, list[fx.Node]] = {}
+        self.made_as_state = _made_as_state(graph)
 
     def current(self, node: Any) -> Any:
         while node in self.replaced:
@@ -141,6 +149,13 @@ class _Walk:
     def visit(self, node: fx.Node) -> None:
         sub = lambda a: self.env.get(a, a)
         node.args, node.kwargs = fx.map_arg(node.args, sub), fx.map_arg(node.kwargs, sub)
+        written = written_nodes(node)
+        if written:
+            root = self.same[node] = self.same.get(written[0], written[0])
+            self.names.setdefault(root, [root]).append(node)
+        if node in self.made_as_state:
+            self._made_fp32(node)
+            return
         if not any(i in self.promoted for i in node.all_input_nodes):
             return
         if node.op == "call_method" and node.target in _CASTS and self._cast(node):
@@ -151,7 +166,6 @@ class _Walk:
         ex = _compat.example_value(node)
         if _is_low(ex) or (isinstance(ex, (list, tuple)) and any(_is_low(v) for v in ex)):
             self._mark(node, ex)
-        written = written_nodes(node)
         if written and written[0] in self.alias_of:  # x.add_(u) returns x
             self.alias_of[node] = self.alias_of[written[0]]
 
@@ -172,13 +186,23 @@ class _Walk:
                 continue
             ups[i] = self._upcast(i, ex, node)
             if i in written:
-                self.env[i] = ups[i]
+                # every name of the tensor (``zeros``, ``zeros.mul_(b)``) reads the copy on
+                root = self.same.get(i, i)
+                for n in self.names.get(root, [root]):
+                    self.env[n] = ups[i]
                 if i.op in ("placeholder", "get_attr"):
                     self.written_back[i] = None
                     self.alias_of[ups[i]] = i
         if ups:
             node.args = fx.map_arg(node.args, lambda a: ups.get(a, a))
             node.kwargs = fx.map_arg(node.kwargs, lambda a: ups.get(a, a))
+
+    def _made_fp32(self, node: fx.Node) -> None:
+        """A low-precision tensor the graph makes and returns (new state: CAME's
+        ``torch.zeros(shape, dtype=grad.dtype)``) is made in fp32, as the fp32 step makes
+        it, so that every op on it computes in fp32 and it is returned with a remainder."""
+        node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        self._mark(node, _compat.example_value(node))
 
     def _upcast(self, x: fx.Node, like: Any, before: fx.Node) -> fx.Node:
         if not _is_low(like):
@@ -243,7 +267,10 @@ class _Walk:
             if restores:
                 self.graph.call_function(torch._C._set_grad_enabled, (True,))
 
-        outputs = list(node.args[0])
+        # a tensor the graph made in low precision (CAME's ``torch.zeros(..., dtype=
+        # grad.dtype)``) and then wrote from fp32 values was written as its fp32 copy:
+        # the output is that copy, not the tensor as made
+        outputs = [self.env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]
         rems = []
         for k, a in enumerate(outputs):
             if not isinstance(a, fx.Node) or a not in self.promoted:
@@ -271,6 +298,34 @@ class _Walk:
 
     def low_of(self, t: Promoted) -> torch.dtype:
         return _dtype_of(_compat.example_value(t.nodes[0]))
+
+
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full}
+_FACTORIES_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+_FACTORY_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def _made_as_state(graph: fx.Graph) -> set[fx.Node]:
+    """Low-precision tensors the graph makes with a factory (``torch.zeros``,
+    ``zeros_like``, ``new_zeros``, ...) and returns, itself or through an in-place op's
+    result: the state an optimizer's first step creates.  A temporary is left as made."""
+    made = set()
+    for node in graph.nodes:
+        factory = (node.op == "call_function" and node.target in _FACTORIES | _FACTORIES_LIKE) or (
+            node.op == "call_method" and node.target in _FACTORY_METHODS
+        )
+        if factory and _is_low(_compat.example_value(node)):
+            made.add(node)
+    if not made:
+        return made
+    same: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        written = written_nodes(node) if node.op in ("call_function", "call_method") else []
+        if written:
+            same[node] = same.get(written[0], written[0])
+    output = next(n for n in graph.nodes if n.op == "output")
+    returned = {same.get(a, a) for a in output.all_input_nodes}
+    return made & returned
 
 
 def _is_low(x: Any) -> bool:

@@ -222,3 +222,89 @@ class AdaBeliefFP32(torch.optim.Optimizer):
                 p_fp32.addcdiv_(exp_avg, denom, value=-lr / bias1)
                 if p.dtype in {torch.float16, torch.bfloat16}:
                     p.copy_(p_fp32)
+
+
+class FactoredMomentum(torch.optim.Optimizer):
+    """CAME (Luo et al. 2023) in miniature, as pytorch_optimizer writes it: the second
+    moment of a matrix factored into row and column means (Adafactor) and a momentum
+    scaled by the factored variance of its residual; the factors made with
+    ``torch.zeros(..., dtype=grad.dtype)`` on the first step, and ``g * g`` computed from
+    the gradient alone into a buffer the step then writes with ``out=``.  It reads ``p.grad`` as any code outside torch.optim does (not
+    through ``_init_group``).  Matrices only."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999)):
+        super().__init__(params, {"lr": lr, "betas": betas})
+
+    @staticmethod
+    def _factors(row, col):
+        return (row / row.mean()).rsqrt().unsqueeze(-1), col.rsqrt().unsqueeze(-2)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2, b3), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                grad = p.grad / p.grad.norm()  # a unit gradient, as NovoGrad and LARS take
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    for key, shape in (("row", grad.shape[:-1]), ("col", grad.shape[-1:])):
+                        state[key] = torch.zeros(shape, dtype=grad.dtype)
+                        state[key + "_res"] = torch.zeros(shape, dtype=grad.dtype)
+                update = grad * grad + 1e-30
+                state["row"].mul_(b2).add_(update.mean(dim=-1), alpha=1 - b2)
+                state["col"].mul_(b2).add_(update.mean(dim=-2), alpha=1 - b2)
+                torch.mul(*self._factors(state["row"], state["col"]), out=update)
+                update.mul_(grad)
+                exp_avg = state["exp_avg"]
+                exp_avg.lerp_(update, 1 - b1)
+                res = (update - exp_avg) ** 2 + 1e-16
+                state["row_res"].mul_(b3).add_(res.mean(dim=-1), alpha=1 - b3)
+                state["col_res"].mul_(b3).add_(res.mean(dim=-2), alpha=1 - b3)
+                torch.mul(*self._factors(state["row_res"], state["col_res"]), out=update)
+                p.add_(update.mul_(exp_avg), alpha=-lr)
+
+
+class Adopt(torch.optim.Optimizer):
+    """ADOPT (Taniguchi et al. 2024) as timm writes it: the first step only fills the
+    second moment (``exp_avg_sq.addcmul_(g, g)``) and leaves the weights; later steps
+    normalize the gradient by the second moment of the steps before it."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.9999), eps=1e-6):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                grad, state = p.grad, self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_avg_sq"].addcmul_(grad, grad)
+                    continue
+                normed = grad / torch.clamp(state["exp_avg_sq"].sqrt(), group["eps"])
+                state["exp_avg"].lerp_(normed, 1 - b1)
+                p.add_(state["exp_avg"], alpha=-lr)
+                state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+
+
+class FunctionalAdam(torch.optim.Optimizer):
+    """Adam (no bias correction) with its moments replaced, not updated in place:
+    ``state["v"] = b2 * v + (1 - b2) * g * g``, as research code and AdaLite write it."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                grad, state = p.grad, self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"] = b1 * state["m"] + (1 - b1) * grad
+                state["v"] = b2 * state["v"] + (1 - b2) * grad * grad
+                p.add_(state["m"] / (state["v"].sqrt() + group["eps"]), alpha=-lr)

@@ -733,3 +733,72 @@ def _writes_after_grad_restore(name):
     from collage_compile.passes import promote
 
     promote._grad_mode_at_end = lambda graph: False
+
+
+@_mutation("attr_grads_unpromoted")
+def _attr_grads_unpromoted(name):
+    """Only torch.optim's ``GradSource`` gradients are gradients (not ``p.grad`` read by
+    other code, ``AttrSource``): exact mode computes ops on them alone in bf16."""
+    from torch._dynamo.source import GradSource
+
+    from collage_compile import _compat
+
+    _compat.is_gradient_input = lambda node: isinstance(
+        getattr(node, "_dynamo_source", None), GradSource
+    )
+
+
+@_mutation("made_state_left_low")
+def _made_state_left_low(name):
+    """Exact mode leaves state the graph makes in bf16 as made, and returns a tensor
+    written through an fp32 copy as it was made."""
+    from collage_compile.passes import promote
+
+    promote._made_as_state = lambda graph: set()
+    orig = promote._Walk.output
+
+    def output(self, node, tensors):
+        self.env = {k: v for k, v in self.env.items() if k.op in ("placeholder", "get_attr")}
+        return orig(self, node, tensors)
+
+    promote._Walk.output = output
+
+
+@_mutation("upcast_names_stale")
+def _upcast_names_stale(name):
+    """Exact mode: a tensor upcast where an op writes it is read as the copy only under
+    the name written (``t.mul_(b).add_(x)`` writes ``mul_``), not its other names (``t``)."""
+    from collage_compile.passes import promote
+
+    orig = promote._Walk._upcast_operands
+
+    def upcast(self, node):
+        self.names, self.same = {}, {}
+        return orig(self, node)
+
+    promote._Walk._upcast_operands = upcast
+
+
+@_mutation("no_state_made")
+def _no_state_made(name):
+    """Exact mode sends a graph that writes no input to plain Inductor even where it makes
+    optimizer state (ADOPT's first step)."""
+    from collage_compile import exact
+
+    exact.makes_state = lambda gm, info: False
+
+
+@_mutation("paired_reads_dropped")
+def _paired_reads_dropped(name):
+    """Exact mode reads state it does not write as bf16, without its remainder."""
+    from collage_compile import exact
+
+    exact._paired_reads = lambda info, chained, readers: []
+
+
+@_mutation("replaced_state_unnamed")
+def _replaced_state_unnamed(name):
+    """State a step replaces (``state["v"] = b2 * v + ...``) is not named."""
+    from collage_compile import report
+
+    report._replaced_state = lambda info, mode: []
