@@ -113,6 +113,8 @@ class GraphReport:
                 )
             )
         entries.extend(_other_writes(info))
+        if config.mode in ("light", "plus", "all"):
+            entries.extend(_replaced_state(info, config.mode))
         return cls(entries, config.mode, config.arithmetic)
 
     def warn_unsupported(self) -> None:
@@ -258,6 +260,70 @@ def _other_writes(info: Any) -> list[Entry]:
                 "written",
                 False,
                 f"{dtype} is not low precision: left as written",
+                ref=_ref_of(info, node),
+            )
+        )
+    return entries
+
+
+def _replaced_state(info: Any, mode: str) -> list[Entry]:
+    """Entries for optimizer state the step replaces instead of updating it in place
+    (``state["v"] = b2 * v + (1 - b2) * g * g``, AdaLite's factors): an input reached
+    through an optimizer's ``state`` that the graph reads and does not write, from which
+    it computes a new tensor of the same shape and dtype that it returns (the new state,
+    stored by Dynamo after the call).  The
+    families follow writes: the new tensor has no pair, the rounding of every step is
+    lost.  Named under plus and all, which promise to carry state; light leaves state by
+    definition (listed, not warned).  ``mode="exact"`` carries it (new state returned with
+    its remainder, read back with it)."""
+    written = {w.acc for w in info.writes}
+    state = {
+        a.node: a
+        for a in info.accumulators
+        if a not in written
+        and not a.is_weight
+        and a.node.users
+        and _compat.is_optimizer_state_input(a.node)
+    }
+    if not state:
+        return []
+    output = next(n for n in info.gm.graph.nodes if n.op == "output")
+    new = [
+        n
+        for n in output.all_input_nodes
+        if n.op not in ("placeholder", "get_attr")
+        and isinstance(_compat.example_value(n), torch.Tensor)
+    ]
+    if not new:  # an in-place step returns nothing: the usual case costs nothing
+        return []
+    reads: dict[Any, set[Any]] = {}  # node -> the state inputs it is computed from
+    for node in info.gm.graph.nodes:  # in order: inputs before their users
+        reads[node] = {node} if node in state else set()
+        for i in node.all_input_nodes:
+            reads[node] |= reads[i]
+    replaced: dict[Any, None] = {}
+    for out in new:
+        ex = _compat.example_value(out)
+        for node in reads[out]:
+            old = state[node].example
+            if ex.dtype == old.dtype and tuple(ex.shape) == tuple(old.shape):
+                replaced[node] = None
+    entries = []
+    for node in replaced:
+        acc = state[node]
+        shape = tuple(int(s) if _is_int(s) else -1 for s in acc.example.shape)
+        entries.append(
+            Entry(
+                acc.name,
+                shape,
+                str(acc.dtype).replace("torch.", ""),
+                acc.role,
+                "replaced",
+                False,
+                "the step returns a new tensor computed from it (state[...] = b * v + ..., "
+                f"not v.mul_(b).add_(...)), which has no pair: mode={mode!r} carries state "
+                "updated in place only; update it in place, or use mode='exact'",
+                warn=mode != "light",
                 ref=_ref_of(info, node),
             )
         )

@@ -241,6 +241,37 @@ def test_plus_leaves_a_first_moment_however_it_is_spelled(spelling):
     assert collage_compile.components(p)[1] is not None
 
 
+@pytest.mark.parametrize("mode", ["light", "plus"])
+def test_state_replaced_rather_than_updated_in_place_is_named_where_the_mode_promises_it(mode):
+    """An optimizer that replaces its moments (tests/user_optimizers.py's FunctionalAdam:
+    ``state["v"] = b2 * v + (1 - b2) * g * g``, as AdaLite and research code write them)
+    makes a new tensor each step, which no family follows: under plus, which promises to
+    carry state, its moments were plain bf16 with no word (``MUT=replaced_state_unnamed``).
+    Now plus names each one; light lists them in ``explain()`` (state is not its promise)
+    and says nothing; exact carries them (test_exact: FunctionalAdam)."""
+    import user_optimizers
+
+    p = torch.nn.Parameter(torch.randn(16, 32).to(torch.bfloat16))
+    opt = user_optimizers.FunctionalAdam([p], lr=1e-3)
+    step = torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))
+    before = max((r.graph_id for r in report.reports()), default=0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for _ in range(3):
+            p.grad = (1e-2 * torch.randn(16, 32)).to(torch.bfloat16)
+            step()
+    said = [str(w.message) for w in said if w.category is collage_compile.CollageWarning]
+    ours = report.Explanation([r for r in report.reports() if r.graph_id > before])
+    rows = [r for r in str(ours).splitlines() if "replaced" in r]
+    assert sorted(r.split()[0] for r in rows) == ["args[0].state[0].m", "args[0].state[0].v"]
+    if mode == "light":
+        assert said == []
+    else:
+        assert len(said) == 1 and "state[0].m" in said[0] and "state[0].v" in said[0], said
+        assert "update it in place, or use mode='exact'" in said[0]
+    assert collage_compile.components(opt.state[p]["v"])[1] is None  # named, not carried
+
+
 def _lookahead_run(dtype, form, mode):
     """Lookahead (tests/user_optimizers.py) around SGD, k = 5, alpha = 0.5, over 200 steps
     of a fixed gradient stream: the weights at the end, and the start."""
