@@ -802,3 +802,11 @@ def _replaced_state_unnamed(name):
     from collage_compile import report
 
     report._replaced_state = lambda info, mode: []
+
+
+@_mutation("versions_unread")
+def _versions_unread(name):
+    """A compiled optimizer's step that wrote no weight at all is named as run eagerly."""
+    from collage_compile import watch
+
+    watch._versions_of = lambda optimizer: {}
