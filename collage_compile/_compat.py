@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -538,6 +539,29 @@ def is_gradient_input(node: fx.Node) -> bool:
     return isinstance(source, GradSource) or (
         isinstance(source, AttrSource) and source.member == "grad"
     )
+
+
+def _pow(x: Any, y: Any) -> float:
+    return float(x) ** y
+
+
+def trace_math_pow_symbolically() -> None:
+    """Dynamo traces ``math.pow(x, y)`` on a symbolic number as ``float(x) ** y`` (2.11,
+    2.13).  Without it a Python int read through ``math.pow`` (pytorch_optimizer's
+    ``debias``, ``1 - math.pow(beta, group["step"])``) is specialized in the guards, so the
+    step compiles again every step, under any backend, and trains eagerly past the
+    recompile limit; ``x ** y`` is traced on the symbol, so it compiles twice.  Constant
+    arguments fold as before (the handler declines them), so are keywords."""
+    from torch._dynamo.utils import check_unspec_or_constant_args
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    def handle_pow(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 2 or check_unspec_or_constant_args(args, kwargs):
+            return None  # Dynamo's own handling
+        return tx.inline_user_function_return(VariableTracker.build(tx, _pow), list(args), {})
+
+    TorchInGraphFunctionVariable._get_handlers().setdefault(math.pow, handle_pow)
 
 
 def is_optimizer_state_input(node: fx.Node) -> bool:

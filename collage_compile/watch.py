@@ -114,6 +114,7 @@ def install() -> None:
         _compat.after_every_optimizer_step(_after_step)
         _compat.on_recompile_limit(_recompile_limit_hit)
         _compat.on_cudagraph_skip(_cudagraph_skipped)
+        _compat.trace_math_pow_symbolically()  # not a watcher: the same once-only set-up
         _installed = True
 
 

@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo.testing
 import user_optimizers
 from conftest import mcf_value, relative_error
 
@@ -434,3 +435,43 @@ def test_a_new_state_tensor_copied_off_a_gradient_keeps_its_views():
     memory = {k: v.untyped_storage().data_ptr() for k, v in state.items()}
     assert memory["buf"] == memory["flat"] != g.untyped_storage().data_ptr(), memory
     assert torch.equal(state["flat"], g.flatten())
+
+
+def test_an_int_step_count_read_through_math_pow_compiles_once():
+    """pytorch_optimizer keeps its step count as a Python int in the param group and
+    reads it through ``math.pow(beta, step)`` (tests/user_optimizers.py's IntStepAdam).
+    Dynamo specialized the int inside ``math.pow``, so the step compiled again every step
+    under any backend, and past the recompile limit trained eagerly in plain bf16 (named):
+    Adan, LAMB, AdaBelief, Yogi and ten more of its optimizers (``MUT=math_pow_specialized``).
+    The backend's set-up has Dynamo trace ``math.pow`` on a symbol as ``x ** y``
+    (``_compat.trace_math_pow_symbolically``): three compiles, then compensated."""
+    g = torch.Generator().manual_seed(0)
+    start = (torch.randn(32, 16, generator=g) * 0.5).bfloat16()
+    grads = [(0.01 + 0.005 * torch.randn(32, 16, generator=g)).bfloat16() for _ in range(30)]
+    runs = {}
+    for run, dtype in (
+        ("collage", torch.bfloat16),
+        ("plain", torch.bfloat16),
+        ("f64", torch.float64),
+    ):
+        torch._dynamo.reset()
+        p = torch.nn.Parameter(start.to(dtype, copy=True))
+        opt = user_optimizers.IntStepAdam([p], lr=1e-4)
+        step = opt.step
+        if run == "collage":
+            counter = torch._dynamo.testing.CompileCounterWithBackend(collage_compile.backend)
+            step = torch.compile(opt.step, backend=counter)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for grad in grads:
+                p.grad = grad.to(dtype)
+                step()
+        runs[run] = (collage_compile.value(p) if run == "collage" else p.detach()).double()
+    moved = (runs["f64"] - start.double()).norm()
+    err = float((runs["collage"] - runs["f64"]).norm() / moved)
+    plain = float((runs["plain"] - runs["f64"]).norm() / moved)
+    print(
+        f"\n{counter.frame_count} compiles; light {err:.1e} of float64's movement, plain bf16 {plain:.2f}"
+    )
+    assert counter.frame_count <= 3  # the first step (state made), the second, then dynamic
+    assert err < 0.02 and plain > 0.5

@@ -308,3 +308,31 @@ class FunctionalAdam(torch.optim.Optimizer):
                 state["m"] = b1 * state["m"] + (1 - b1) * grad
                 state["v"] = b2 * state["v"] + (1 - b2) * grad * grad
                 p.add_(state["m"] / (state["v"].sqrt() + group["eps"]), alpha=-lr)
+
+
+class IntStepAdam(torch.optim.Optimizer):
+    """Adam as pytorch_optimizer writes it: the step count a Python int in the param
+    group (``group["step"] += 1``), the bias corrections through ``math.pow`` (its
+    ``debias``: ``1 - math.pow(beta, step)``)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        import math
+
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (b1, b2), lr = group["betas"], group["lr"]
+            bias1 = 1.0 - math.pow(b1, group["step"])
+            bias2_sqrt = math.sqrt(1.0 - math.pow(b2, group["step"]))
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-lr / bias1)

@@ -810,3 +810,11 @@ def _versions_unread(name):
     from collage_compile import watch
 
     watch._versions_of = lambda optimizer: {}
+
+
+@_mutation("math_pow_specialized")
+def _math_pow_specialized(name):
+    """Dynamo keeps specializing a Python int read through ``math.pow``."""
+    from collage_compile import _compat
+
+    _compat.trace_math_pow_symbolically = lambda: None
