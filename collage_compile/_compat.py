@@ -545,6 +545,14 @@ def _pow(x: Any, y: Any) -> float:
     return float(x) ** y
 
 
+def is_torch_optim_gradient(node: fx.Node) -> bool:
+    """Whether a graph input is a gradient a torch.optim optimizer's ``_init_group``
+    mapped (Dynamo's ``GradSource``; 2.11, 2.13)."""
+    from torch._dynamo.source import GradSource
+
+    return isinstance(getattr(node, "_dynamo_source", None), GradSource)
+
+
 def trace_math_pow_symbolically() -> None:
     """Dynamo traces ``math.pow(x, y)`` on a symbolic number as ``float(x) ** y`` (2.11,
     2.13).  Without it a Python int read through ``math.pow`` (pytorch_optimizer's

@@ -62,7 +62,7 @@ def compile_exact(
     record: bool,
 ) -> Compiled:
     """Rewrite and compile one graph in exact mode."""
-    grads = [a for a in info.accumulators if _compat.is_gradient_input(a.node)]
+    grads = _gradients(info)
     groups, left = _choose(info, set(grads))
     for acc in [a for g in groups for a in g]:
         state.check_exact_dtype(acc.example, acc.describe())
@@ -114,14 +114,32 @@ def compile_exact(
     return Compiled(compiled, upgraded, left, measured, readers, promotion.new_state, statics, host)
 
 
+def _gradients(info: GraphInfo) -> list[Accumulator]:
+    """The gradients the graph reads: upcast at its start, as the fp32 step reads fp32
+    gradients.  torch.optim's (``GradSource``) even where the step writes them (maximize,
+    clipping); a ``p.grad`` read by other code only where the graph does not write it: a
+    gradient accumulated in place (``p.grad.add_(g)`` over micro-batches) is a sum, carried
+    with its remainder as any other written tensor."""
+    written = {w.acc for w in info.writes}
+    return [
+        a
+        for a in info.accumulators
+        if _compat.is_gradient_input(a.node)
+        and (_compat.is_torch_optim_gradient(a.node) or a not in written)
+    ]
+
+
 def _paired_reads(
     info: GraphInfo, chained: set[Accumulator], readers: set[Accumulator]
 ) -> list[Accumulator]:
-    """bf16 inputs this graph reads and does not write that carry a remainder: state an
-    optimizer replaces rather than updates (AdaLite's ``state["v_avg_0"] = v.sum(1)``, a
-    new tensor each step, returned with its remainder), or reads in one graph and writes
-    in another.  Read as the bf16 tensor alone, the step computed on a value one bf16
-    rounding from the fp32 step's; they are read as hi + remainder."""
+    """Optimizer state this graph reads that carries a remainder and whose memory it does
+    not write: state an optimizer replaces rather than updates (AdaLite's
+    ``state["v_avg_0"] = v.sum(1)``, a new tensor each step, returned with its remainder),
+    or reads in one graph and writes in another.  Read as the bf16 tensor alone, the step
+    computed on a value one bf16 rounding from the fp32 step's; they are read as hi +
+    remainder.  Weights are not (a forward pass reading them stays as it is), nor a tensor
+    on written memory (its reads must see the write)."""
+    written = info.written_storages()
     return [
         a
         for a in info.accumulators
@@ -129,8 +147,11 @@ def _paired_reads(
         and a.dtype == torch.bfloat16
         and a not in chained
         and a not in readers
+        and a.role != "param"
         and not a.is_gradient
         and a.node.users
+        and _compat.is_optimizer_state_input(a.node)
+        and info.storage_key(a.example) not in written
     ]
 
 
@@ -142,6 +163,10 @@ def makes_state(gm: fx.GraphModule, info: GraphInfo) -> bool:
     if not any(_compat.is_gradient_input(a.node) for a in info.accumulators):
         return False
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    if any(
+        getattr(_compat.example_value(n), "requires_grad", False) for n in output.all_input_nodes
+    ):
+        return False  # a training forward (reading ``.grad``): left to Inductor as it is
     return any(
         n.op not in ("placeholder", "get_attr")
         and getattr(_compat.example_value(n), "dtype", None) in (torch.bfloat16, torch.float16)

@@ -85,9 +85,6 @@ _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
-# such an optimizer -> its weights' version counters after its last step, kept until a
-# collage graph first writes them (a first step may write none: ADOPT's fills its state)
-_versions: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 # low-precision tensors that collage graphs (not mode="off") read as parameters (_READ)
 # or write (_WRITTEN) -> those flags, and a count of changes (an optimizer's cached
 # answer is read again when it moves)
@@ -189,7 +186,6 @@ def expect_compiled(optimizer: Any) -> None:
     gradient ran without one, pairs or not (:func:`_uncompiled_step`)."""
     _compiled_optimizers[optimizer] = (-1, frozenset())
     _windows.setdefault(optimizer, _first[0] + len(_calls))
-    _versions[optimizer] = _versions_of(optimizer)
 
 
 def reset() -> None:
@@ -197,7 +193,6 @@ def reset() -> None:
     _windows.clear()
     _calls.clear()
     _compiled_optimizers.clear()
-    _versions.clear()
     _expected.clear()
     _frames.clear()
     _limit_named.clear()
@@ -227,8 +222,6 @@ def _after_step(optimizer: Any, by_collage: bool | None = None) -> None:
                 _eager_step(optimizer, stepped, len(expected))
         if optimizer in _compiled_optimizers:
             _uncompiled_step(optimizer, written, count)
-            if optimizer in _versions:
-                _versions[optimizer] = _versions_of(optimizer)
         else:
             _plain_step(optimizer, written, count, by_collage)
     if not _InCall.depth:
@@ -428,16 +421,12 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         ids = frozenset(map(id, _low_params(optimizer)))
         _compiled_optimizers[optimizer] = (count, ids)
     if not ids or not written.isdisjoint(ids):
-        _versions.pop(optimizer, None)  # written by a collage graph: the check ends here
         return
     low = _low_params(optimizer, stepped=True)
     if not low or any(id(p) in written for p in low):
         return
     if all(state.get_lo(p) is not None for p in low):
         return  # carrying pairs: _eager_step named them
-    before = _versions.get(optimizer)
-    if before is not None and all(before.get(id(p)) == p._version for p in low):
-        return  # the step wrote none of them (ADOPT's first step only fills its state)
     dtype = _dtype(low)
     warn_once(
         ("uncompiled-step", str(id(optimizer))),
@@ -447,12 +436,6 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
         stacklevel=4,
     )
-
-
-def _versions_of(optimizer: Any) -> dict[int, int]:
-    """The version counters of the optimizer's low-precision weights (an in-place write,
-    eager or in a compiled graph, moves a tensor's: AOTAutograd bumps a mutated input's)."""
-    return {id(p): p._version for p in _low_params(optimizer)}
 
 
 def _low_params(optimizer: Any, stepped: bool = False) -> list[Any]:

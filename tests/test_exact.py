@@ -360,3 +360,92 @@ def test_exact_mode_reads_a_temporary_written_from_fp32_values_under_each_of_its
         plain.add_(plain, alpha=-1e-3)
     assert torch.equal(collage_compile.value(p), ref)
     assert not torch.equal(plain.float(), ref)  # bf16 alone loses the decay
+
+
+def test_exact_mode_leaves_a_forward_that_writes_buffers_to_autograd():
+    """A bf16 body (Linear + BatchNorm, whose running statistics the forward writes)
+    compiled with the exact backend after an exact optimizer step: the weights carry
+    remainders, and joining them to read fp32 values cut them out of autograd (their
+    ``.grad`` stayed None, training stopped without a word; review of ``_paired_reads``,
+    ``MUT=paired_reads_everywhere``).  Only optimizer state is read with its remainder."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).bfloat16()
+    backend = collage_compile.make_backend(mode="exact")
+    opt = torch.optim.SGD(body.parameters(), lr=1e-2)
+    for p in body.parameters():
+        p.grad = torch.randn_like(p)
+    torch.compile(opt.step, backend=backend)()
+    assert collage_compile.components(body[0].weight)[1] is not None
+    forward = torch.compile(body, backend=backend)
+    x = torch.randn(8, 4).bfloat16()
+    opt.zero_grad()
+    (forward(x).float() ** 2).sum().backward()
+    assert body[0].weight.grad is not None and float(body[0].weight.grad.float().norm()) > 0
+
+
+def test_exact_mode_carries_a_gradient_accumulated_in_place():
+    """``p.grad.add_(g)`` over 32 micro-batches, compiled in exact mode: the gradient is a
+    sum the graph writes, carried with its remainder as before ``p.grad`` read by code
+    outside torch.optim counted as a gradient (review: it was rounded every step, 0.087
+    from the fp32 sum, unnamed; ``MUT=written_grads_upcast``)."""
+
+    def accumulate(p, g):
+        with torch.no_grad():
+            p.grad.add_(g)
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(64).bfloat16())
+    p.grad = torch.zeros(64).bfloat16()
+    ref = torch.zeros(64)
+    step = torch.compile(accumulate, backend=collage_compile.make_backend(mode="exact"))
+    for g in [torch.randn(64).bfloat16() for _ in range(32)]:
+        step(p, g)
+        ref.add_(g.float())
+    assert float((collage_compile.value(p.grad) - ref).abs().max()) < 1e-5
+    assert float((p.grad.float() - ref).abs().max()) > 1e-3  # its hi alone: plain bf16
+
+
+def test_exact_mode_leaves_a_training_forward_that_reads_a_gradient():
+    """A forward that reads ``w.grad`` (look-ahead weights) writes nothing and returns a
+    bf16 tensor: it is not an optimizer step making state, and stays differentiable
+    (review of ``makes_state``: the backward no longer reached ``w``;
+    ``MUT=grad_readers_make_state``)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 4).bfloat16())
+    v = torch.nn.Parameter(torch.randn(4, 4).bfloat16())
+    w.grad = torch.randn(4, 4).bfloat16()
+    x = torch.randn(3, 4).bfloat16()
+
+    def forward(x, w, v):
+        return x @ (w - 0.1 * w.grad).t(), x @ v.t()
+
+    before = w.grad.clone()
+    a, b = torch.compile(forward, backend=collage_compile.make_backend(mode="exact"))(x, w, v)
+    (a.float().sum() + b.float().sum()).backward()
+    assert not torch.equal(w.grad, before) and v.grad is not None
+
+
+def test_exact_mode_stores_a_write_next_to_a_read_of_the_same_memory():
+    """``v = flat[:4]`` carries a remainder; a graph reads ``flat`` and writes ``v`` (two
+    views of one storage: the write is named and left in plain bf16).  Reading ``flat``
+    with a remainder made the write go to a copy never stored: ``v`` did not move (review
+    of ``_paired_reads``; ``MUT=paired_reads_everywhere``)."""
+    flat = torch.linspace(-1, 1, 8).bfloat16()
+    v = flat[:4]
+
+    def decay(v):
+        with torch.no_grad():
+            v.mul_(0.999)
+
+    def both(flat, v):
+        with torch.no_grad():
+            v.add_(0.25)
+            return flat.sum()
+
+    backend = collage_compile.make_backend(mode="exact")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", collage_compile.CollageWarning)
+        torch.compile(decay, backend=backend)(v)
+        before = v.float().clone()
+        torch.compile(both, backend=backend)(flat, v)
+    assert torch.allclose(v.float() - before, torch.full((4,), 0.25), atol=1e-2)

@@ -298,28 +298,6 @@ def test_an_optimizer_whose_step_never_compiles_is_named():
     assert state.get_lo(p) is None
 
 
-@pytest.mark.parametrize("mode", ["light", "exact"])
-def test_a_first_step_that_writes_no_weight_is_not_named(mode):
-    """ADOPT's first step only fills its second moment and leaves the weights (timm's, and
-    tests/user_optimizers.py's): no collage graph wrote them, so the check above named the
-    step as run "without a graph compiled by the collage backend" and its weights as
-    "updated in plain bfloat16", neither true (``MUT=versions_unread``).  Their version
-    counters had not moved (an eager step moves them, as the test above checks): nothing
-    is said, and the next steps are compensated."""
-    import user_optimizers
-
-    g = torch.Generator().manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(8, 4, generator=g).bfloat16())
-    opt = collage_compile.compile_optimizer(user_optimizers.Adopt([p], lr=1e-3), mode=mode)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            _grad(p, g)
-            opt.step()
-    assert [m for m in _collage_warnings(rec) if "collage" in m] == []
-    assert state.get_lo(p) is not None
-
-
 def test_compiling_an_optimizer_again_with_other_options_is_an_error():
     """``compile_optimizer`` a second time with other options used to return at once: a
     user who went from ``mode="off"`` to ``"plus"`` (or light to plus) trained on

@@ -804,17 +804,61 @@ def _replaced_state_unnamed(name):
     report._replaced_state = lambda info, mode: []
 
 
-@_mutation("versions_unread")
-def _versions_unread(name):
-    """A compiled optimizer's step that wrote no weight at all is named as run eagerly."""
-    from collage_compile import watch
-
-    watch._versions_of = lambda optimizer: {}
-
-
 @_mutation("math_pow_specialized")
 def _math_pow_specialized(name):
     """Dynamo keeps specializing a Python int read through ``math.pow``."""
     from collage_compile import _compat
 
     _compat.trace_math_pow_symbolically = lambda: None
+
+
+@_mutation("paired_reads_everywhere")
+def _paired_reads_everywhere(name):
+    """Exact mode reads every paired bf16 input it does not upgrade with its remainder:
+    weights a forward reads, memory the graph writes."""
+    import torch
+
+    from collage_compile import exact
+
+    def reads(info, chained, readers):
+        return [
+            a
+            for a in info.accumulators
+            if a.carries_pair
+            and a.dtype == torch.bfloat16
+            and a not in chained
+            and a not in readers
+            and not a.is_gradient
+            and a.node.users
+        ]
+
+    exact._paired_reads = reads
+
+
+@_mutation("written_grads_upcast")
+def _written_grads_upcast(name):
+    """Every ``.grad`` input is a gradient in exact mode, written ones too."""
+    from collage_compile import _compat, exact
+
+    exact._gradients = lambda info: [
+        a for a in info.accumulators if _compat.is_gradient_input(a.node)
+    ]
+
+
+@_mutation("grad_readers_make_state")
+def _grad_readers_make_state(name):
+    """A graph that reads a gradient and returns a bf16 tensor makes state, even one whose
+    outputs require grad (a training forward)."""
+    from collage_compile import _compat, exact
+
+    def makes_state(gm, info):
+        if not any(_compat.is_gradient_input(a.node) for a in info.accumulators):
+            return False
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        return any(
+            n.op not in ("placeholder", "get_attr")
+            and getattr(_compat.example_value(n), "dtype", None) == torch.bfloat16
+            for n in output.all_input_nodes
+        )
+
+    exact.makes_state = makes_state
