@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from collage_compile import _compat, remainder, state
-from collage_compile.accumulators import written_nodes
+from collage_compile.accumulators import storage_key, written_nodes
 from collage_compile.mcf import LOW_PRECISION
 
 _CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16"}
@@ -307,25 +307,37 @@ _FACTORY_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full"}
 
 def _made_as_state(graph: fx.Graph) -> set[fx.Node]:
     """Low-precision tensors the graph makes with a factory (``torch.zeros``,
-    ``zeros_like``, ``new_zeros``, ...) and returns, itself or through an in-place op's
-    result: the state an optimizer's first step creates.  A temporary is left as made."""
-    made = set()
+    ``zeros_like``, ``new_zeros``, ...) and returns, or writes in place, itself or through
+    any view of its memory: the state an optimizer's first step creates, and temporaries
+    written in place (``t = torch.zeros(..); v = t.view(..); t.add_(x)``).  Made in fp32
+    from the start, every view of them is a view of the fp32 value; upcast only where a
+    write from fp32 values came, a view taken before read the bf16 tensor as made (a
+    review found a decay lost, and a weight left NaN by ``torch.mul(.., out=)`` through a
+    view of ``torch.empty``).  A temporary only read stays as made."""
+    made: dict[Any, fx.Node] = {}  # storage -> the factory that made it
     for node in graph.nodes:
         factory = (node.op == "call_function" and node.target in _FACTORIES | _FACTORIES_LIKE) or (
             node.op == "call_method" and node.target in _FACTORY_METHODS
         )
-        if factory and _is_low(_compat.example_value(node)):
-            made.add(node)
+        ex = _compat.example_value(node)
+        if factory and _is_low(ex) and (key := storage_key(ex)) is not None:
+            made[key] = node
     if not made:
-        return made
-    same: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        written = written_nodes(node) if node.op in ("call_function", "call_method") else []
-        if written:
-            same[node] = same.get(written[0], written[0])
+        return set()
+    used: set[fx.Node] = set()
     output = next(n for n in graph.nodes if n.op == "output")
-    returned = {same.get(a, a) for a in output.all_input_nodes}
-    return made & returned
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            touched = written_nodes(node)
+        elif node is output:
+            touched = node.all_input_nodes
+        else:
+            continue
+        for w in touched:
+            factory = made.get(storage_key(_compat.example_value(w)))
+            if factory is not None:
+                used.add(factory)
+    return used
 
 
 def _is_low(x: Any) -> bool:

@@ -449,3 +449,45 @@ def test_exact_mode_stores_a_write_next_to_a_read_of_the_same_memory():
         before = v.float().clone()
         torch.compile(both, backend=backend)(flat, v)
     assert torch.allclose(v.float() - before, torch.full((4,), 0.25), atol=1e-2)
+
+
+def _view_before_write(p):
+    with torch.no_grad():
+        t = torch.zeros(p.shape, dtype=torch.bfloat16)
+        v = t.view(2, 4)
+        t.add_(p, alpha=-1e-3)
+        p.add_(v.reshape(-1))
+
+
+def _write_through_view(p):
+    with torch.no_grad():
+        t = torch.zeros(p.shape, dtype=torch.bfloat16)
+        t.view(2, 4).add_(p.view(2, 4), alpha=-1e-3)
+        p.add_(t)
+
+
+def _out_through_view(p):
+    with torch.no_grad():
+        t = torch.empty(p.shape, dtype=torch.bfloat16)
+        v = t.view(2, 4)
+        torch.mul(p, -1e-3, out=t)
+        p.add_(v.reshape(-1))
+
+
+@pytest.mark.parametrize("step", [_view_before_write, _write_through_view, _out_through_view])
+def test_exact_mode_keeps_the_views_of_a_temporary_it_writes_from_fp32_values(step):
+    """A bf16 temporary written from fp32 values was upcast where the write came: a view
+    of it taken before (or the tensor under a write through a view) read the bf16 tensor
+    as made: the decay was lost, and a view of ``torch.empty`` written with ``out=`` left
+    the weight NaN (review; ``MUT=temporaries_made_low``).  A temporary the graph writes
+    in place is made in fp32, so every view of it is a view of the fp32 value."""
+    init = torch.linspace(-1, 1, 8).bfloat16()
+    p = torch.nn.Parameter(init.clone())
+    p32 = init.float().clone()
+    exact = torch.compile(step, backend=collage_compile.make_backend(mode="exact"))
+    fp32 = torch.compile(step, backend="inductor")
+    for _ in range(5):
+        exact(p)
+        fp32(p32)
+    assert torch.equal(collage_compile.value(p), p32)
+    assert not torch.equal(p.detach().float(), p32)  # bf16 alone does not hold the decay

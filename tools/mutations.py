@@ -862,3 +862,25 @@ def _grad_readers_make_state(name):
         )
 
     exact.makes_state = makes_state
+
+
+@_mutation("temporaries_made_low")
+def _temporaries_made_low(name):
+    """Exact mode makes in fp32 only the factories the graph returns, not temporaries it
+    writes in place (upcast where a write from fp32 values comes)."""
+    from collage_compile.accumulators import written_nodes
+    from collage_compile.passes import promote
+
+    orig = promote._made_as_state
+
+    def returned_only(graph):
+        made = orig(graph)
+        same = {}
+        for node in graph.nodes:
+            written = written_nodes(node) if node.op in ("call_function", "call_method") else []
+            if written:
+                same[node] = same.get(written[0], written[0])
+        output = next(n for n in graph.nodes if n.op == "output")
+        return made & {same.get(a, a) for a in output.all_input_nodes}
+
+    promote._made_as_state = returned_only
