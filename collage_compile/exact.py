@@ -162,16 +162,19 @@ def makes_state(gm: fx.GraphModule, info: GraphInfo) -> bool:
     that state would start one bf16 rounding from the fp32 step's, with no remainder."""
     if not any(_compat.is_gradient_input(a.node) for a in info.accumulators):
         return False
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    if any(
-        getattr(_compat.example_value(n), "requires_grad", False) for n in output.all_input_nodes
-    ):
-        return False  # a training forward (reading ``.grad``): left to Inductor as it is
+    outputs = gm.graph.output_node().all_input_nodes
+    if _is_training_forward(outputs):
+        return False  # a forward that reads ``.grad``: left to Inductor as it is
     return any(
         n.op not in ("placeholder", "get_attr")
         and getattr(_compat.example_value(n), "dtype", None) in (torch.bfloat16, torch.float16)
-        for n in output.all_input_nodes
+        for n in outputs
     )
+
+
+def _is_training_forward(outputs: list[fx.Node]) -> bool:
+    """Whether any output requires grad (no optimizer step's does: it runs under no_grad)."""
+    return any(getattr(_compat.example_value(n), "requires_grad", False) for n in outputs)
 
 
 def _choose(

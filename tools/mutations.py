@@ -849,19 +849,9 @@ def _written_grads_upcast(name):
 def _grad_readers_make_state(name):
     """A graph that reads a gradient and returns a bf16 tensor makes state, even one whose
     outputs require grad (a training forward)."""
-    from collage_compile import _compat, exact
+    from collage_compile import exact
 
-    def makes_state(gm, info):
-        if not any(_compat.is_gradient_input(a.node) for a in info.accumulators):
-            return False
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        return any(
-            n.op not in ("placeholder", "get_attr")
-            and getattr(_compat.example_value(n), "dtype", None) == torch.bfloat16
-            for n in output.all_input_nodes
-        )
-
-    exact.makes_state = makes_state
+    exact._is_training_forward = lambda outputs: False
 
 
 @_mutation("temporaries_made_low")
