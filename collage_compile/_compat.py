@@ -1023,6 +1023,17 @@ def _computed_scalar(node: fx.Node) -> bool:
     )
 
 
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a view of another tensor: made by a view op, or an
+    element of one's list (``unbind``, ``split``)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val._is_view():
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return is_op_overload(node.target) and node.target.is_view
+
+
 def _long_cpp_loop(node: fx.Node) -> bool:
     """Whether ``node`` computes a loop the C++ backend generates, long enough that its
     scalars computed once beat the 0-d buffer each costs per call on the host (a tiny
@@ -1043,7 +1054,14 @@ def _long_cpp_loop(node: fx.Node) -> bool:
 
 def _read_scalars_through_views(graph: fx.Graph, node: fx.Node) -> None:
     """Make ``node`` read each computed scalar argument through one ``aten.as_strided``
-    view, which Inductor's lowering realizes (computed once in the kernel's prologue)."""
+    view, which Inductor's lowering realizes (computed once in the kernel's prologue).
+
+    A scalar that is itself a view (``trust_ratios.unbind()[1]``, ``norms[1]``) is read
+    through a copy of it first: Inductor's ``as_strided`` lowering replaces the layout of
+    a view it has not realized with the one asked for, storage offset included, so
+    ``as_strided(norms[1], [], [])`` read ``norms[0]`` (2.11 and 2.13; eager keeps the
+    view's offset).  pytorch_optimizer's foreach LAMB applied the first parameter's trust
+    ratio to every parameter, silently."""
     aten = torch.ops.aten
     views: dict[fx.Node, fx.Node] = {}
 
@@ -1051,11 +1069,14 @@ def _read_scalars_through_views(graph: fx.Graph, node: fx.Node) -> None:
         if not (isinstance(a, fx.Node) and _computed_scalar(a)):
             return a
         if a not in views:
-            with graph.inserting_before(node):
-                v = graph.call_function(aten.as_strided.default, (a, [], []))
             val = a.meta["val"]
+            with graph.inserting_before(node):
+                x = graph.call_function(aten.clone.default, (a,)) if _is_view(a) else a
+                v = graph.call_function(aten.as_strided.default, (x, [], []))
             with val.fake_mode:
-                v.meta["val"] = aten.as_strided.default(val, [], [])
+                if x is not a:
+                    x.meta["val"] = aten.clone.default(val)
+                v.meta["val"] = aten.as_strided.default(x.meta["val"], [], [])
             views[a] = v
         return views[a]
 

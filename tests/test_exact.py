@@ -495,3 +495,45 @@ def test_exact_mode_keeps_the_views_of_a_temporary_it_writes_from_fp32_values(st
         step(plain)  # eager, plain bf16
     assert torch.equal(collage_compile.value(p), p32)
     assert float((plain.float() - p32).abs().max()) > 1e-3  # bf16 alone loses the decay
+
+
+def test_exact_mode_scales_each_tensor_by_its_own_trust_ratio():
+    """LAMB's foreach step (TrustRatioAdam) multiplies each tensor's update by its element
+    of one stacked tensor of ratios, ``ratios.unbind()[k]``: a view.  The backend reads a
+    computed fp32 scalar through ``as_strided`` in long C++ loops
+    (``_compat.realize_scalars_pass``), and Inductor's lowering of that replaced the
+    view's offset: every tensor took the first one's ratio, silently (pytorch_optimizer's
+    LAMB under exact mode: 0.18 of its movement from its fp32 run;
+    ``MUT=scalar_views_uncopied``).  The matrix has a C++ loop long enough for the scalar
+    to be hoisted; the vector's ratio differs from it.  Each weight is measured against
+    the fp32 step compiled by plain Inductor, which does not have the pass."""
+    g = torch.Generator().manual_seed(0)
+    init = [(torch.randn(s, generator=g) * 0.5).bfloat16() for s in ((64, 32), (64,))]
+    grads = [
+        [(0.01 + 0.005 * torch.randn(t.shape, generator=g)).bfloat16() for t in init]
+        for _ in range(20)
+    ]
+
+    def run(dtype, backend):
+        _compat.reset_dynamo()
+        params = [torch.nn.Parameter(t.to(dtype, copy=True)) for t in init]
+        opt = user_optimizers.TrustRatioAdam(params, lr=1e-3)
+        step = opt.step if backend is None else torch.compile(opt.step, backend=backend)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.to(dtype)
+            step()
+        return params
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        exact = run(torch.bfloat16, collage_compile.make_backend(mode="exact"))
+    fp32 = run(torch.float32, "inductor")
+    plain = run(torch.bfloat16, None)
+    for k, (e, r, b, start) in enumerate(zip(exact, fp32, plain, init)):
+        moved = (r.detach() - start.float()).norm()
+        err = float((collage_compile.value(e) - r.detach()).norm() / moved)
+        plain_err = float((b.detach().float() - r.detach()).norm() / moved)
+        print(f"\ntensor {k}: exact {err:.1e} of its movement, plain bf16 {plain_err:.2f}")
+        assert err < 1e-6, k
+        assert plain_err > 0.1

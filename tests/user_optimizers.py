@@ -336,3 +336,40 @@ class IntStepAdam(torch.optim.Optimizer):
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 denom = (v.sqrt() / bias2_sqrt).add_(group["eps"])
                 p.addcdiv_(m, denom, value=-lr / bias1)
+
+
+class TrustRatioAdam(torch.optim.Optimizer):
+    """LAMB (You et al. 2020) as pytorch_optimizer's foreach path writes it: each tensor's
+    Adam update scaled by its trust ratio ``||w|| / ||update||``, the norms of all tensors
+    stacked, the ratios taken with ``torch.where`` and unbound into views of one tensor
+    for ``_foreach_mul_``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), eps = group["betas"], group["eps"]
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["m"], self.state[p]["v"] = (
+                        torch.zeros_like(p),
+                        torch.zeros_like(p),
+                    )
+            ms = [self.state[p]["m"] for p in params]
+            vs = [self.state[p]["v"] for p in params]
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+            updates = torch._foreach_sqrt(vs)
+            torch._foreach_add_(updates, eps)
+            torch._foreach_reciprocal_(updates)
+            torch._foreach_mul_(updates, ms)
+            w = torch.stack(torch._foreach_norm(params)).clamp_(max=10.0)
+            u = torch.stack(torch._foreach_norm(updates))
+            ratios = torch.where((w != 0) & (u != 0), w / (u + eps), 1.0)
+            torch._foreach_mul_(updates, ratios.unbind())
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
