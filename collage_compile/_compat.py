@@ -573,16 +573,22 @@ def trace_math_pow_symbolically() -> None:
 
 
 def is_optimizer_state_input(node: fx.Node) -> bool:
-    """Whether a graph input was reached through an object's ``.state`` (an optimizer's
-    ``state`` dict: ``AttrSource(.., 'state')`` somewhere in Dynamo's source chain; 2.11,
-    2.13)."""
-    from torch._dynamo.source import AttrSource
+    """Whether a graph input was reached through an optimizer's ``state`` dict, keyed by a
+    tensor: ``DictGetItemSource(AttrSource(.., 'state'), ConstDictKeySource(..))``
+    somewhere in Dynamo's source chain (2.11, 2.13).  A module's own ``self.state``
+    tensor (an RNN's hidden state), or a dict of them keyed by name, is not."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource
 
-    source = getattr(node, "_dynamo_source", None)
+    source, child = getattr(node, "_dynamo_source", None), None
     while source is not None:
         if isinstance(source, AttrSource) and source.member == "state":
-            return True
-        source = getattr(source, "base", None)
+            if (
+                isinstance(child, DictGetItemSource)
+                and child.base is source
+                and not isinstance(child.index, (str, int))
+            ):
+                return True
+        source, child = getattr(source, "base", None), source
     return False
 
 

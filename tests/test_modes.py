@@ -272,6 +272,44 @@ def test_state_replaced_rather_than_updated_in_place_is_named_where_the_mode_pro
     assert collage_compile.components(opt.state[p]["v"])[1] is None  # named, not carried
 
 
+def test_a_modules_own_state_attribute_is_not_named_as_replaced_optimizer_state():
+    """A recurrent cell keeps its hidden state as ``self.state`` and replaces it every
+    step: read, not written, a new tensor of its shape returned.  That is no optimizer's
+    state (not reached through ``optimizer.state[param]``), and plus named it as state it
+    could not carry."""
+
+    class Cell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+            self.state = torch.zeros(8, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            new = torch.tanh(self.lin(x) + 0.5 * self.state)
+            self.state = new.detach()
+            return new
+
+    cell = Cell()
+    opt = torch.optim.SGD(cell.parameters(), lr=1e-2)
+
+    def train_step(x):
+        cell(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step = torch.compile(train_step, backend=collage_compile.make_backend(mode="plus"))
+    before = max((r.graph_id for r in report.reports()), default=0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", collage_compile.CollageWarning)
+        for _ in range(3):
+            step(torch.randn(8).to(torch.bfloat16))
+    said = [str(w.message) for w in said if w.category is collage_compile.CollageWarning]
+    assert not [w for w in said if "state" in w], said
+    ours = report.Explanation([r for r in report.reports() if r.graph_id > before])
+    assert "replaced" not in str(ours)
+    assert collage_compile.components(cell.lin.weight)[1] is not None  # the step compiled
+
+
 def _lookahead_run(dtype, form, mode):
     """Lookahead (tests/user_optimizers.py) around SGD, k = 5, alpha = 0.5, over 200 steps
     of a fixed gradient stream: the weights at the end, and the start."""
