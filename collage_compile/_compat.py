@@ -545,6 +545,19 @@ def _pow(x: Any, y: Any) -> float:
     return float(x) ** y
 
 
+def _holds_a_tensor(args: Sequence[Any]) -> bool:
+    """Whether a ``math.pow`` argument Dynamo traces is a tensor (MADGRAD's
+    ``math.pow(state["k"] + 1, 0.5)``), left to Dynamo's own handling, a graph break:
+    traced as ``float(x) ** y`` it compiled again every step (a guard on the gradients,
+    which a step replaces)."""
+    from torch._dynamo.variables.tensor import TensorVariable, UnspecializedPythonVariable
+
+    return any(
+        isinstance(a, TensorVariable) and not isinstance(a, UnspecializedPythonVariable)
+        for a in args
+    )
+
+
 def is_torch_optim_gradient(node: fx.Node) -> bool:
     """Whether a graph input is a gradient a torch.optim optimizer's ``_init_group``
     mapped (Dynamo's ``GradSource``; 2.11, 2.13)."""
@@ -567,6 +580,8 @@ def trace_math_pow_symbolically() -> None:
     def handle_pow(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != 2 or check_unspec_or_constant_args(args, kwargs):
             return None  # Dynamo's own handling
+        if _holds_a_tensor(args):
+            return None
         return tx.inline_user_function_return(VariableTracker.build(tx, _pow), list(args), {})
 
     TorchInGraphFunctionVariable._get_handlers().setdefault(math.pow, handle_pow)

@@ -373,3 +373,30 @@ class TrustRatioAdam(torch.optim.Optimizer):
             ratios = torch.where((w != 0) & (u != 0), w / (u + eps), 1.0)
             torch._foreach_mul_(updates, ratios.unbind())
             torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+
+class TensorStepAdam(torch.optim.Optimizer):
+    """Adam with MADGRAD's step counter, as pytorch_optimizer writes it: a one-element
+    long tensor in ``self.state["k"]``, read through ``math.pow(k + 1, 0.5)``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        import math
+
+        if "k" not in self.state:
+            self.state["k"] = torch.tensor([0], dtype=torch.long)
+        scale = math.pow(self.state["k"] + 1, 0.5)
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.addcdiv_(m, (v.sqrt() * scale).add_(group["eps"]), value=-lr * scale)
+        self.state["k"] += 1

@@ -887,3 +887,11 @@ def _scalar_views_uncopied(name):
     from collage_compile import _compat
 
     _compat._is_view = lambda node: False
+
+
+@_mutation("math_pow_of_tensors")
+def _math_pow_of_tensors(name):
+    """``math.pow`` of a tensor traced as ``float(x) ** y`` like a symbol's."""
+    from collage_compile import _compat
+
+    _compat._holds_a_tensor = lambda args: False
