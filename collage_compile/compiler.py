@@ -260,12 +260,22 @@ class _StepTicks:
         if replay.recording is not None:
             replay.recording.append((self, args, []))
         out = self.compiled(*args)
-        _compat.run_step_ticks(self.ticks, by_collage=self.collage)
+        _run_ticks(self.ticks, self.collage, out)
         return out
 
     def after_replay(self) -> None:
         """What a call does besides its graph, for a replay of it (:mod:`replay`)."""
         _compat.run_step_ticks(self.ticks, by_collage=self.collage)
+
+
+def _run_ticks(ticks: list[int], collage: bool, out: Any) -> None:
+    """The optimizer watch after a call of a graph that held these optimizers' ticks; it
+    sees the call's outputs (new state a step made: :func:`watch._wrote_state_alone`)."""
+    watch.step_outputs[0] = out if isinstance(out, (list, tuple)) else ()
+    try:
+        _compat.run_step_ticks(ticks, by_collage=collage)
+    finally:
+        watch.step_outputs[0] = ()
 
 
 def _compile_rewritten(
@@ -1062,7 +1072,7 @@ class _LoInputs:
         if self._unchained_refs or self._unchained_inputs:
             self._reset_unchained(args)
         if self.ticks:
-            _compat.run_step_ticks(self.ticks, by_collage=self.collage)
+            _run_ticks(self.ticks, self.collage, out)
         return out
 
     def _with_scalars(self, args: tuple[Any, ...]) -> list[Any]:

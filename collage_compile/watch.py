@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import Counter
 from typing import Any, ClassVar
 
 import torch
@@ -85,6 +86,12 @@ _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
+# optimizers compile_optimizer compiled -> {id(weight): its version counter} then: a step
+# that writes no weight (ADOPT's first) is told from one that ran without a graph
+_versions_at_compile: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+# the outputs of the collage graph whose optimizer ticks run now (the new tensors a step
+# made, which Dynamo stores as state after the call): set by the graph's wrapper
+step_outputs: list[Any] = [()]
 # low-precision tensors that collage graphs (not mode="off") read as parameters (_READ)
 # or write (_WRITTEN) -> those flags, and a count of changes (an optimizer's cached
 # answer is read again when it moves)
@@ -185,6 +192,7 @@ def expect_compiled(optimizer: Any) -> None:
     step in which no collage graph wrote any of its low-precision weights that have a
     gradient ran without one, pairs or not (:func:`_uncompiled_step`)."""
     _compiled_optimizers[optimizer] = (-1, frozenset())
+    _versions_at_compile[optimizer] = {id(p): p._version for p in _low_params(optimizer)}
     _windows.setdefault(optimizer, _first[0] + len(_calls))
 
 
@@ -193,6 +201,7 @@ def reset() -> None:
     _windows.clear()
     _calls.clear()
     _compiled_optimizers.clear()
+    _versions_at_compile.clear()
     _expected.clear()
     _frames.clear()
     _limit_named.clear()
@@ -221,7 +230,7 @@ def _after_step(optimizer: Any, by_collage: bool | None = None) -> None:
             if stepped:
                 _eager_step(optimizer, stepped, len(expected))
         if optimizer in _compiled_optimizers:
-            _uncompiled_step(optimizer, written, count)
+            _uncompiled_step(optimizer, written, count, by_collage)
         else:
             _plain_step(optimizer, written, count, by_collage)
     if not _InCall.depth:
@@ -408,14 +417,17 @@ def _widened(optimizer: Any, params: list[Any]) -> None:
     )
 
 
-def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> None:
+def _uncompiled_step(
+    optimizer: Any, written: frozenset[int], count: int, by_collage: bool | None
+) -> None:
     """A step of an optimizer ``compile_optimizer`` compiled in which no collage graph
     wrote any of its low-precision weights with a gradient: it ran without one, also
     where no weight carries a pair yet (the step never compiled: Dynamo's recompile
     limit for the step's code, which every optimizer of the class shares, filled by
-    others), so :func:`_eager_step` would see nothing to compare.  Named once.  Per
-    step, one set operation in C (the weights' ids are read again when their count
-    changes): the replay's host work does not grow with the tensor count."""
+    others), so :func:`_eager_step` would see nothing to compare.  Named once, unless
+    the step wrote no weight at all (:func:`_wrote_state_alone`).  Per step, one set
+    operation in C (the weights' ids are read again when their count changes): the
+    replay's host work does not grow with the tensor count."""
     seen, ids = _compiled_optimizers[optimizer]
     if seen != count:
         ids = frozenset(map(id, _low_params(optimizer)))
@@ -427,6 +439,8 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         return
     if all(state.get_lo(p) is not None for p in low):
         return  # carrying pairs: _eager_step named them
+    if by_collage and _wrote_state_alone(optimizer, low, written):
+        return
     dtype = _dtype(low)
     warn_once(
         ("uncompiled-step", str(id(optimizer))),
@@ -436,6 +450,31 @@ def _uncompiled_step(optimizer: Any, written: frozenset[int], count: int) -> Non
         f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
         stacklevel=4,
     )
+
+
+def _wrote_state_alone(optimizer: Any, low: list[Any], written: frozenset[int]) -> bool:
+    """Whether a compiled step wrote its state and none of its weights (ADOPT's first
+    step only fills its second moment): the step's code ran in a collage graph, which
+    wrote state of every weight stepped or made a new tensor of its shape and dtype (new
+    state, stored by Dynamo after the call), and no weight's version counter moved since
+    ``compile_optimizer``.  A step run eagerly writes its weights in place (their
+    versions move) or through ``p.data`` (timm's AdamP: no version moves), and then its
+    state too, which no collage graph wrote or made."""
+    versions = _versions_at_compile.get(optimizer)
+    if versions is None or any(versions.get(id(p)) != p._version for p in low):
+        return False
+    made = Counter(
+        (tuple(t.shape), t.dtype)
+        for t in step_outputs[0]
+        if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION
+    )
+    for p in low:
+        if any(id(t) in written for t in _state_tensors(optimizer, p)):
+            continue
+        if made[(tuple(p.shape), p.dtype)] <= 0:
+            return False
+        made[(tuple(p.shape), p.dtype)] -= 1
+    return True
 
 
 def _low_params(optimizer: Any, stepped: bool = False) -> list[Any]:

@@ -171,6 +171,65 @@ def test_a_step_left_to_eager_is_named_before_any_weight_carries_a_pair(mode):
     assert "step's code was compiled with the collage" in msg
 
 
+class _DataMomentum(torch.optim.Optimizer):
+    """Momentum SGD as older code writes it (timm's AdamP, NvNovoGrad): the weights
+    through ``p.data``, whose version counter is not the weight's, the momentum made on
+    the first step, and a host read in its loop (run eagerly, as _LoggingSGD)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p)
+                state["m"].mul_(0.9).add_(p.grad)
+                if p.grad.norm().item() > 0:
+                    p.data.add_(state["m"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("mode", ["light", "exact"])
+def test_a_compiled_first_step_that_writes_no_weight_is_not_named(mode):
+    """ADOPT's first step only fills its second moment (tests/user_optimizers.py's
+    Adopt): no collage graph wrote a weight, and the check for steps that ran without one
+    named it, a false alarm on every ADOPT run (pytorch_optimizer's and timm's).  The
+    step's code ran in a collage graph, which made the state, and no weight's version
+    moved: nothing to name.  The next steps give the weights their pairs."""
+    import user_optimizers
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).to(torch.bfloat16))
+    opt = collage_compile.compile_optimizer(user_optimizers.Adopt([p], lr=1e-3), mode=mode)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _grad(p, g)
+            opt.step()
+    assert not _collage_warnings(rec)
+    assert collage_compile.components(p)[1] is not None
+
+
+def test_an_eager_first_step_through_p_data_is_named():
+    """The same check for a step whose body ran eagerly and wrote its weights through
+    ``p.data`` (no version counter of the weights moves): it made its state itself, no
+    collage graph did, and it is named as a step that ran without a graph
+    (``MUT=state_alone_always``)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).to(torch.bfloat16))
+    start = p.detach().clone()
+    opt = collage_compile.compile_optimizer(_DataMomentum([p], lr=1e-3))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _grad(p, g)
+        opt.step()
+    assert not torch.equal(p.detach(), start)  # the weights moved, in plain bf16
+    (msg,) = [m for m in _collage_warnings(rec) if "compiled by compile_optimizer" in m]
+    assert "_DataMomentum.step" in msg and "1 of its bfloat16 parameters" in msg
+
+
 @pytest.mark.parametrize("backend", ["collage", "off", "inductor", "collage+off"])
 def test_a_model_compiled_with_collage_beside_an_eager_optimizer_is_named(backend):
     """``torch.compile(model, backend="collage")`` compensates nothing of an optimizer

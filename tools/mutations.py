@@ -895,3 +895,16 @@ def _math_pow_of_tensors(name):
     from collage_compile import _compat
 
     _compat._holds_a_tensor = lambda args: False
+
+
+@_mutation("state_alone_always")
+def _state_alone_always(name):
+    """A compiled step's tick with no weight version moved passes for a step that wrote
+    state alone."""
+    from collage_compile import watch
+
+    def wrote_state_alone(optimizer, low, written):
+        versions = watch._versions_at_compile.get(optimizer)
+        return versions is not None and all(versions.get(id(p)) == p._version for p in low)
+
+    watch._wrote_state_alone = wrote_state_alone
