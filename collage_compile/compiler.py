@@ -270,7 +270,7 @@ class _StepTicks:
 
 def _run_ticks(ticks: list[int], collage: bool, out: Any) -> None:
     """The optimizer watch after a call of a graph that held these optimizers' ticks; it
-    sees the call's outputs (new state a step made: :func:`watch._wrote_state_alone`)."""
+    sees the call's outputs (new state a step made: :func:`watch._made_state_alone`)."""
     watch.step_outputs[0] = out if isinstance(out, (list, tuple)) else ()
     try:
         _compat.run_step_ticks(ticks, by_collage=collage)

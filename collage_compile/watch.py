@@ -425,7 +425,7 @@ def _uncompiled_step(
     where no weight carries a pair yet (the step never compiled: Dynamo's recompile
     limit for the step's code, which every optimizer of the class shares, filled by
     others), so :func:`_eager_step` would see nothing to compare.  Named once, unless
-    the step wrote no weight at all (:func:`_wrote_state_alone`).  Per step, one set
+    the step wrote no weight at all (:func:`_made_state_alone`).  Per step, one set
     operation in C (the weights' ids are read again when their count changes): the
     replay's host work does not grow with the tensor count."""
     seen, ids = _compiled_optimizers[optimizer]
@@ -439,7 +439,7 @@ def _uncompiled_step(
         return
     if all(state.get_lo(p) is not None for p in low):
         return  # carrying pairs: _eager_step named them
-    if by_collage and _wrote_state_alone(optimizer, low, written):
+    if by_collage and _made_state_alone(optimizer, low):
         return
     dtype = _dtype(low)
     warn_once(
@@ -452,14 +452,15 @@ def _uncompiled_step(
     )
 
 
-def _wrote_state_alone(optimizer: Any, low: list[Any], written: frozenset[int]) -> bool:
-    """Whether a compiled step wrote its state and none of its weights (ADOPT's first
-    step only fills its second moment): the step's code ran in a collage graph, which
-    wrote state of every weight stepped or made a new tensor of its shape and dtype (new
-    state, stored by Dynamo after the call), and no weight's version counter moved since
+def _made_state_alone(optimizer: Any, low: list[Any]) -> bool:
+    """Whether a compiled step made its state and wrote none of its weights (ADOPT's
+    first step only fills its second moment): the step's code ran in a collage graph,
+    which made a new tensor of each stepped weight's shape and dtype (new state, stored by
+    Dynamo after the call), and no weight's version counter moved since
     ``compile_optimizer``.  A step run eagerly writes its weights in place (their
-    versions move) or through ``p.data`` (timm's AdamP: no version moves), and then its
-    state too, which no collage graph wrote or made."""
+    versions move) or through ``p.data`` (timm's AdamP: no version moves), and then makes
+    its state itself.  State written in place is no such evidence: a weight update left
+    to eager code through ``p.data`` beside it would never be named."""
     versions = _versions_at_compile.get(optimizer)
     if versions is None or any(versions.get(id(p)) != p._version for p in low):
         return False
@@ -469,11 +470,10 @@ def _wrote_state_alone(optimizer: Any, low: list[Any], written: frozenset[int]) 
         if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION
     )
     for p in low:
-        if any(id(t) in written for t in _state_tensors(optimizer, p)):
-            continue
-        if made[(tuple(p.shape), p.dtype)] <= 0:
+        key = (tuple(p.shape), p.dtype)
+        if made[key] <= 0:
             return False
-        made[(tuple(p.shape), p.dtype)] -= 1
+        made[key] -= 1
     return True
 
 

@@ -903,8 +903,8 @@ def _state_alone_always(name):
     state alone."""
     from collage_compile import watch
 
-    def wrote_state_alone(optimizer, low, written):
+    def made_state_alone(optimizer, low):
         versions = watch._versions_at_compile.get(optimizer)
         return versions is not None and all(versions.get(id(p)) == p._version for p in low)
 
-    watch._wrote_state_alone = wrote_state_alone
+    watch._made_state_alone = made_state_alone
