@@ -89,6 +89,12 @@ _compiled_optimizers: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]]
 # optimizers compile_optimizer compiled -> {id(weight): its version counter} then: a step
 # that writes no weight (ADOPT's first) is told from one that ran without a graph
 _versions_at_compile: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+# optimizers whose last step was let off as one that made state alone -> (weight, the
+# graph's outputs that may be its new state), checked at the next step: Dynamo stores
+# new state only after the call, and a step post-hook's outputs share the graph
+_made_pending: weakref.WeakKeyDictionary[Any, list[tuple[Any, list[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 # the outputs of the collage graph whose optimizer ticks run now (the new tensors a step
 # made, which Dynamo stores as state after the call): set by the graph's wrapper
 step_outputs: list[Any] = [()]
@@ -202,6 +208,7 @@ def reset() -> None:
     _calls.clear()
     _compiled_optimizers.clear()
     _versions_at_compile.clear()
+    _made_pending.clear()
     _expected.clear()
     _frames.clear()
     _limit_named.clear()
@@ -428,6 +435,8 @@ def _uncompiled_step(
     the step wrote no weight at all (:func:`_made_state_alone`).  Per step, one set
     operation in C (the weights' ids are read again when their count changes): the
     replay's host work does not grow with the tensor count."""
+    if _made_pending:
+        _check_made_state(optimizer)
     seen, ids = _compiled_optimizers[optimizer]
     if seen != count:
         ids = frozenset(map(id, _low_params(optimizer)))
@@ -441,15 +450,35 @@ def _uncompiled_step(
         return  # carrying pairs: _eager_step named them
     if by_collage and _made_state_alone(optimizer, low):
         return
-    dtype = _dtype(low)
+    _warn_uncompiled(optimizer, low, "this step")
+
+
+def _warn_uncompiled(optimizer: Any, low: list[Any], which: str, stacklevel: int = 5) -> None:
     warn_once(
         ("uncompiled-step", str(id(optimizer))),
         f"collage: {type(optimizer).__name__}.step was compiled by compile_optimizer, but "
-        f"this step ran without a graph compiled by the collage backend: {len(low)} of its "
-        f"{dtype} parameters with a gradient ({names.of_params(optimizer, low)}) "
+        f"{which} ran without a graph compiled by the collage backend: {len(low)} of its "
+        f"{_dtype(low)} parameters with a gradient ({names.of_params(optimizer, low)}) "
         f"{_updated_plainly(low)}. Cause: {_limit_of_class(optimizer) or _cause(low)}.",
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
+
+
+def _check_made_state(optimizer: Any) -> None:
+    """The step before was let off as one that made its state alone
+    (:func:`_made_state_alone`): each weight's state must now hold one of the tensors
+    that step's graph returned, else they were something else (a step post-hook's copy
+    of the weights) and that step is named."""
+    pending = _made_pending.pop(optimizer, None)
+    if pending is None:
+        return
+    unmade = [
+        p
+        for p, outs in pending
+        if not any(t is o for t in _state_tensors(optimizer, p) for o in outs)
+    ]
+    if unmade:
+        _warn_uncompiled(optimizer, unmade, "the step before this one", stacklevel=6)
 
 
 def _made_state_alone(optimizer: Any, low: list[Any]) -> bool:
@@ -460,7 +489,9 @@ def _made_state_alone(optimizer: Any, low: list[Any]) -> bool:
     ``compile_optimizer``.  A step run eagerly writes its weights in place (their
     versions move) or through ``p.data`` (timm's AdamP: no version moves), and then makes
     its state itself.  State written in place is no such evidence: a weight update left
-    to eager code through ``p.data`` beside it would never be named."""
+    to eager code through ``p.data`` beside it would never be named.  Nor is an output
+    alone (a step post-hook traced into the same graph returns its copy of the weights):
+    the next step checks that the state holds it (:func:`_check_made_state`)."""
     versions = _versions_at_compile.get(optimizer)
     if versions is None or any(versions.get(id(p)) != p._version for p in low):
         return False
@@ -474,6 +505,10 @@ def _made_state_alone(optimizer: Any, low: list[Any]) -> bool:
         if made[key] <= 0:
             return False
         made[key] -= 1
+    outs = [t for t in step_outputs[0] if isinstance(t, torch.Tensor)]
+    _made_pending[optimizer] = [
+        (p, [t for t in outs if t.shape == p.shape and t.dtype == p.dtype]) for p in low
+    ]
     return True
 
 

@@ -212,19 +212,28 @@ def test_a_compiled_first_step_that_writes_no_weight_is_not_named(mode):
     assert collage_compile.components(p)[1] is not None
 
 
-def test_an_eager_first_step_through_p_data_is_named():
+@pytest.mark.parametrize("hook", [False, True], ids=["", "post_hook"])
+def test_an_eager_first_step_through_p_data_is_named(hook):
     """The same check for a step whose body ran eagerly and wrote its weights through
     ``p.data`` (no version counter of the weights moves): it made its state itself, no
     collage graph did, and it is named as a step that ran without a graph
-    (``MUT=state_alone_always``)."""
+    (``MUT=state_alone_always``).  A step post-hook that keeps a copy of the weights is
+    traced into the graph of the step's tick, whose outputs then hold a new tensor of
+    each weight's shape: the next step finds it is not their state, and names the step
+    (``MUT=made_state_unchecked``)."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter((torch.randn(32, 16, generator=g) * 0.5).to(torch.bfloat16))
     start = p.detach().clone()
-    opt = collage_compile.compile_optimizer(_DataMomentum([p], lr=1e-3))
+    opt = _DataMomentum([p], lr=1e-3)
+    if hook:
+        kept = []
+        opt.register_step_post_hook(lambda o, *_: kept.append(p.detach().clone()))
+    collage_compile.compile_optimizer(opt)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        _grad(p, g)
-        opt.step()
+        for _ in range(2):
+            _grad(p, g)
+            opt.step()
     assert not torch.equal(p.detach(), start)  # the weights moved, in plain bf16
     (msg,) = [m for m in _collage_warnings(rec) if "compiled by compile_optimizer" in m]
     assert "_DataMomentum.step" in msg and "1 of its bfloat16 parameters" in msg
