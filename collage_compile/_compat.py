@@ -1052,7 +1052,10 @@ def _is_view(node: fx.Node) -> bool:
         return True
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    return is_op_overload(node.target) and node.target.is_view
+    aten = torch.ops.aten
+    # ops Inductor lowers to views although their schemas are not
+    lowered_as_views = (aten._unsafe_view.default, aten.lift_fresh.default, aten.lift.default)
+    return is_op_overload(node.target) and (node.target.is_view or node.target in lowered_as_views)
 
 
 def _long_cpp_loop(node: fx.Node) -> bool:
