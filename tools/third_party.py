@@ -3,7 +3,8 @@
     pip install pytorch_optimizer==4.1.0 schedulefree==1.4.1
     pip install --no-deps timm==1.0.31            # its optimizers, without torchvision
     python tools/third_party.py [name ...]      # pytorch_optimizer names, sf_adamw, sf_sgd,
-                                                # timm:<module>.<Class>, hf_adafactor
+                                                # timm:<module>.<Class>, hf_adafactor,
+                                                # adafactor_fp32_momentum
 
 Not part of the suite (the packages are not dependencies; 40 optimizers take about 10
 minutes on 2 cores).  Per optimizer: a (64, 32) matrix and a (64,) vector in bf16, 60 steps
@@ -78,6 +79,9 @@ def factory(name: str):
         return make
     import pytorch_optimizer
 
+    if name == "adafactor_fp32_momentum":  # its momentum in fp32 (bf16 by default)
+        cls = pytorch_optimizer.load_optimizer("adafactor")
+        return lambda params: cls(params, lr=1e-4, momentum_dtype=torch.float32)
     cls = pytorch_optimizer.load_optimizer(name)
     lr = 1.0 if name.startswith("dadapt") else 1e-4
     return lambda params: cls(params, lr=lr)
