@@ -137,8 +137,7 @@ def _paired_reads(
     ``state["v_avg_0"] = v.sum(1)``, a new tensor each step, returned with its remainder),
     or reads in one graph and writes in another.  Read as the bf16 tensor alone, the step
     computed on a value one bf16 rounding from the fp32 step's; they are read as hi +
-    remainder.  Weights are not (a forward pass reading them stays as it is), nor a tensor
-    on written memory (its reads must see the write)."""
+    remainder (:func:`_read_with_remainder`)."""
     written = info.written_storages()
     return [
         a
@@ -147,12 +146,20 @@ def _paired_reads(
         and a.dtype == torch.bfloat16
         and a not in chained
         and a not in readers
-        and a.role != "param"
         and not a.is_gradient
         and a.node.users
+        and _read_with_remainder(info, a, written)
+    ]
+
+
+def _read_with_remainder(info: GraphInfo, a: Accumulator, written: set[Any]) -> bool:
+    """Optimizer state only: weights are not (a forward pass reading them stays as it
+    is), nor a tensor on memory the graph writes (its reads must see the write)."""
+    return (
+        a.role != "param"
         and _compat.is_optimizer_state_input(a.node)
         and info.storage_key(a.example) not in written
-    ]
+    )
 
 
 def makes_state(gm: fx.GraphModule, info: GraphInfo) -> bool:

@@ -821,23 +821,9 @@ def _math_pow_specialized(name):
 def _paired_reads_everywhere(name):
     """Exact mode reads every paired bf16 input it does not upgrade with its remainder:
     weights a forward reads, memory the graph writes."""
-    import torch
-
     from collage_compile import exact
 
-    def reads(info, chained, readers):
-        return [
-            a
-            for a in info.accumulators
-            if a.carries_pair
-            and a.dtype == torch.bfloat16
-            and a not in chained
-            and a not in readers
-            and not a.is_gradient
-            and a.node.users
-        ]
-
-    exact._paired_reads = reads
+    exact._read_with_remainder = lambda info, a, written: True
 
 
 @_mutation("written_grads_upcast")
