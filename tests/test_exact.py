@@ -530,10 +530,21 @@ def test_exact_mode_scales_each_tensor_by_its_own_trust_ratio():
         exact = run(torch.bfloat16, collage_compile.make_backend(mode="exact"))
     fp32 = run(torch.float32, "inductor")
     plain = run(torch.bfloat16, None)
-    for k, (e, r, b, start) in enumerate(zip(exact, fp32, plain, init)):
+    f64 = run(torch.float64, None)
+    for k, (e, r, b, d, start) in enumerate(zip(exact, fp32, plain, f64, init)):
         moved = (r.detach() - start.float()).norm()
         err = float((collage_compile.value(e) - r.detach()).norm() / moved)
         plain_err = float((b.detach().float() - r.detach()).norm() / moved)
-        print(f"\ntensor {k}: exact {err:.1e} of its movement, plain bf16 {plain_err:.2f}")
+        # and against float64: exact as close as the fp32 step, plain bf16 far off
+        exact64, fp32_64, plain64 = (
+            float((v.double() - d.detach()).norm() / (d.detach() - start.double()).norm())
+            for v in (collage_compile.value(e), r.detach(), b.detach())
+        )
+        print(
+            f"\ntensor {k}: exact {err:.1e} of its movement, plain bf16 {plain_err:.2f}; "
+            f"from float64: exact {exact64:.1e}, fp32 {fp32_64:.1e}, plain bf16 {plain64:.2f}"
+        )
         assert err < 1e-6, k
         assert plain_err > 0.1
+        assert exact64 <= fp32_64 + 1e-6 and exact64 < 1e-4, k
+        assert plain64 > 100 * exact64, k
