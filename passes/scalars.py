@@ -169,6 +169,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, tensors: _ScalarTensors) -> bool | 
         return _rewrite_value(graph, node, args, kwargs, tensors)
     if target in _SCALAR_FACTORIES and len(args) == 1 and is_symbolic_float(args[0]):
         return _rewrite_scalar_factory(graph, node, args, kwargs, tensors)
+    if target in _SCALAR_FACTORIES and len(args) == 1 and _floats_list(args[0]):
+        return _rewrite_list_factory(graph, node, args[0], kwargs, tensors)
     if target in _FILL_FACTORIES and len(args) == 2 and is_symbolic_float(args[1]):
         return _rewrite_fill(graph, node, args, kwargs, tensors)
     return None
@@ -312,6 +314,45 @@ def _rewrite_scalar_factory(
     return True
 
 
+def _floats_list(x: Any) -> bool:
+    """A list of Python numbers and symbolic floats, at least one of them symbolic."""
+    return (
+        isinstance(x, (list, tuple))
+        and any(is_symbolic_float(v) for v in x)
+        and all(is_symbolic_float(v) or type(v) in (int, float) for v in x)
+    )
+
+
+def _rewrite_list_factory(
+    graph: fx.Graph,
+    node: fx.Node,
+    values: list[Any],
+    kwargs: dict[str, Any],
+    tensors: _ScalarTensors,
+) -> bool | None:
+    """``torch.tensor([s1, s2, ...])`` (LaProp's per-tensor step sizes): the stack of each
+    float's float64 tensor (a constant's too), rounded once each to the dtype."""
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    device = kwargs.get("device")
+    if set(kwargs) - {"dtype", "device", "requires_grad"} or kwargs.get("requires_grad"):
+        return None
+    with graph.inserting_before(node):
+        items = [
+            tensors.f64(v, device)
+            if is_symbolic_float(v)
+            else graph.call_function(
+                torch.full, ((), float(v)), {"dtype": torch.float64, "device": device}
+            )
+            for v in values
+        ]
+        stacked = graph.call_function(torch.stack, (items,))
+        new = graph.call_method("to", (stacked, dtype))  # one rounding each, as from floats
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return True
+
+
 def _rewrite_fill(
     graph: fx.Graph,
     node: fx.Node,
@@ -362,8 +403,8 @@ def _rewrite_foreach(
             scaled = graph.call_function(torch._foreach_mul, (args[1], t))
         node.args, node.kwargs = (args[0], scaled, args[2]), kwargs
         return True
-    if name == "lerp" and len(args) == 3 and is_symbolic_float(args[2]) and not kwargs:
-        return _foreach_lerp(graph, node, args, tensors.get(args[2], *meta))
+    if name == "lerp" and is_symbolic_float((bound := _lerp_operands(args, kwargs))[-1]):
+        return _foreach_lerp(graph, node, bound, tensors.get(bound[2], *meta))
     return None
 
 

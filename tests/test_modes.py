@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo.testing
 from conftest import GraphCapture, assert_snapshot, relative_error
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
@@ -161,7 +162,7 @@ def test_all_mode_tracks_adam_state_that_plus_leaves():
 # ---- plus: sums (b = 1) ---------------------------------------------------------------------
 
 
-def _schedule_free_run(dtype, mode):
+def _schedule_free_run(dtype, mode, foreach=False):
     """Schedule-free AdamW (tests/user_optimizers.py) over 150 steps of drifting gradients:
     the weights and the iterate ``z`` (optimizer state, a sum) at the end, and the start."""
     import user_optimizers
@@ -170,23 +171,31 @@ def _schedule_free_run(dtype, mode):
     shapes = [(32, 16), (16,)]
     start = [(torch.randn(s, generator=g) * 0.5).to(torch.bfloat16).to(dtype) for s in shapes]
     params = [torch.nn.Parameter(w.clone()) for w in start]
-    opt = user_optimizers.ScheduleFreeAdamW(params, lr=1e-3, weight_decay=0.01)
+    opt = user_optimizers.ScheduleFreeAdamW(params, lr=1e-3, weight_decay=0.01, foreach=foreach)
     step = opt.step
     if mode is not None:
-        step = torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))
+        counter = torch._dynamo.testing.CompileCounterWithBackend(
+            collage_compile.make_backend(mode=mode)
+        )
+        step = torch.compile(opt.step, backend=counter)
     for _ in range(150):
         for p in params:
             grad = 0.01 + 0.01 * torch.randn(p.shape, generator=g)
             p.grad = grad.to(torch.bfloat16).to(dtype)
         step()
+    if mode is not None:  # the first step (state made), the second, then dynamic
+        assert counter.frame_count <= 3, counter.frame_count
     value = collage_compile.value if mode is not None else torch.Tensor.detach
     flat = lambda ts: torch.cat([value(t).double().flatten() for t in ts])
     z = [opt.state[p]["z"] for p in params]
     return flat(params), flat(z), flat(start), z
 
 
-@pytest.mark.parametrize("mode", ["light", "plus", "exact"])
-def test_plus_carries_a_sum_in_optimizer_state_as_schedule_free_keeps_its_iterate(mode):
+@pytest.mark.parametrize(
+    "mode, foreach",
+    [("light", False), ("plus", False), ("exact", False), ("plus", True), ("exact", True)],
+)
+def test_plus_carries_a_sum_in_optimizer_state_as_schedule_free_keeps_its_iterate(mode, foreach):
     """Schedule-free AdamW keeps its iterate ``z`` as optimizer state that only additions
     write (``z -= lr * g / denom``): a sum, the decay b = 1, whose rounding is never
     forgotten, and the weights follow it (``p.lerp_(z, ckp1)``).  ``"plus"`` carries it as
@@ -194,12 +203,15 @@ def test_plus_carries_a_sum_in_optimizer_state_as_schedule_free_keeps_its_iterat
     off by more than 40 %.  ``"light"`` leaves ``z`` plain by definition (weights only, so
     the weights inherit its rounding) and its report names the modes that carry it.
     ``"exact"``: fp32's step (within 1e-4); its ``lerp_(end=z, weight=ckp1)``, keywords and
-    a float that changes every step, used to recompile each step up to the limit."""
-    ref_w, ref_z, start, _ = _schedule_free_run(torch.float64, None)
-    plain_w, plain_z, _, _ = _schedule_free_run(torch.bfloat16, None)
+    a float that changes every step, used to recompile each step up to the limit.  The
+    package's foreach form, ``torch._foreach_lerp_(y, z, weight=ckp1)``, still did under
+    exact mode (the weight by keyword; ``MUT=foreach_lerp_keywords_specialize``), and from
+    the limit on trained eagerly in plain bf16, named: now at most three compiles."""
+    ref_w, ref_z, start, _ = _schedule_free_run(torch.float64, None, foreach)
+    plain_w, plain_z, _, _ = _schedule_free_run(torch.bfloat16, None, foreach)
     with warnings.catch_warnings():
         warnings.simplefilter("error", collage_compile.CollageWarning)
-        w, z, _, zs = _schedule_free_run(torch.bfloat16, mode)
+        w, z, _, zs = _schedule_free_run(torch.bfloat16, mode, foreach)
     errors = {
         "weights": (relative_error(w, ref_w, start), relative_error(plain_w, ref_w, start)),
         "z": (relative_error(z, ref_z, start), relative_error(plain_z, ref_z, start)),
@@ -322,7 +334,10 @@ def _lookahead_run(dtype, form, mode):
     opt = user_optimizers.Lookahead(torch.optim.SGD([p], lr=1e-3), form=form)
     step = opt.step
     if mode is not None:
-        step = torch.compile(opt.step, backend=collage_compile.make_backend(mode=mode))
+        counter = torch._dynamo.testing.CompileCounterWithBackend(
+            collage_compile.make_backend(mode=mode)
+        )
+        step = torch.compile(opt.step, backend=counter)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", collage_compile.CollageWarning)
         for grad in grads:

@@ -437,6 +437,51 @@ def test_a_new_state_tensor_copied_off_a_gradient_keeps_its_views():
     assert torch.equal(state["flat"], g.flatten())
 
 
+def test_step_sizes_made_from_a_list_of_floats_compile_once():
+    """LaProp as pytorch_optimizer writes it (tests/user_optimizers.py's
+    StepSizeListLaProp) keeps a float per tensor in its state, changed every step, and
+    makes its step sizes with ``torch.tensor([...])`` of them.  Dynamo specialized that
+    list: the step compiled again every step, and from the recompile limit on trained
+    eagerly in plain bf16, named (``MUT=float_lists_specialize``).  The floats now enter as
+    tensors (``passes/scalars.py``): three compiles, then compensated."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (16,)]
+    start = [(torch.randn(s, generator=g) * 0.5).bfloat16() for s in shapes]
+    grads = [
+        [(0.01 + 0.005 * torch.randn(s, generator=g)).bfloat16() for s in shapes] for _ in range(30)
+    ]
+    runs = {}
+    for run, dtype in (
+        ("collage", torch.bfloat16),
+        ("plain", torch.bfloat16),
+        ("f64", torch.float64),
+    ):
+        torch._dynamo.reset()
+        params = [torch.nn.Parameter(w.to(dtype, copy=True)) for w in start]
+        opt = user_optimizers.StepSizeListLaProp(params, lr=1e-4)
+        step = opt.step
+        if run == "collage":
+            counter = torch._dynamo.testing.CompileCounterWithBackend(collage_compile.backend)
+            step = torch.compile(opt.step, backend=counter)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", collage_compile.CollageWarning)
+            for gs in grads:
+                for p, grad in zip(params, gs):
+                    p.grad = grad.to(dtype, copy=True)
+                step()
+        value = collage_compile.value if run == "collage" else torch.Tensor.detach
+        runs[run] = torch.cat([value(p).double().flatten() for p in params])
+    start64 = torch.cat([w.double().flatten() for w in start])
+    moved = (runs["f64"] - start64).norm()
+    err = float((runs["collage"] - runs["f64"]).norm() / moved)
+    plain = float((runs["plain"] - runs["f64"]).norm() / moved)
+    print(
+        f"\n{counter.frame_count} compiles; light {err:.1e} of float64's movement, plain bf16 {plain:.2f}"
+    )
+    assert counter.frame_count <= 3
+    assert err < 0.02 and plain > 0.5
+
+
 @pytest.mark.parametrize("name", ["IntStepAdam", "TensorStepAdam"])
 def test_an_int_step_count_read_through_math_pow_compiles_once(name):
     """pytorch_optimizer keeps its step count as a Python int in the param group and

@@ -71,11 +71,15 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
     implementation (facebookresearch/schedule_free, ``AdamWScheduleFree``) writes it, without
     warmup: the parameters hold ``y``, interpolated toward the iterate ``z`` (optimizer state
     updated by additions alone) by ``ckp1 = lr^2 / sum of lr^2``, a float that changes every
-    step."""
+    step.  ``foreach=True``: its foreach form (the package's default), whose
+    ``torch._foreach_lerp_(y, z, weight=ckp1)`` passes the changing float by keyword."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False
+    ):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, {**defaults, "k": 0, "weight_sum": 0.0})
+        self.foreach = foreach
 
     @torch.no_grad()
     def step(self):
@@ -85,13 +89,17 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             weight = lr**2
             group["weight_sum"] = weight_sum = group["weight_sum"] + weight
             ckp1 = weight / weight_sum
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            active = [p for p in group["params"] if p.grad is not None]
+            for p in active:
+                if "z" not in self.state[p]:
+                    self.state[p]["z"] = torch.clone(p)
+                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+            if self.foreach:
+                self._foreach_step(group, active, bias_correction2, ckp1)
+                group["k"] = k + 1
+                continue
+            for p in active:
                 state = self.state[p]
-                if "z" not in state:
-                    state["z"] = torch.clone(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
                 z, exp_avg_sq = state["z"], state["exp_avg_sq"]
                 exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(group["eps"])
@@ -102,6 +110,23 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
                 p.add_(grad_normalized, alpha=lr * (beta1 * (1 - ckp1) - 1))
                 z.sub_(grad_normalized, alpha=lr)
             group["k"] = k + 1
+
+    def _foreach_step(self, group, active, bias_correction2, ckp1):
+        (beta1, beta2), lr = group["betas"], group["lr"]
+        grads = [p.grad for p in active]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in active]
+        zs = [self.state[p]["z"] for p in active]
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denoms = torch._foreach_div(exp_avg_sqs, bias_correction2)
+        torch._foreach_sqrt_(denoms)
+        torch._foreach_add_(denoms, group["eps"])
+        torch._foreach_div_(grads, denoms)  # the gradients normalized in place, as it does
+        if group["weight_decay"]:
+            torch._foreach_add_(grads, active, alpha=group["weight_decay"])
+        torch._foreach_lerp_(active, zs, weight=ckp1)
+        torch._foreach_add_(active, grads, alpha=lr * (beta1 * (1 - ckp1) - 1))
+        torch._foreach_sub_(zs, grads, alpha=lr)
 
 
 class Lookahead(torch.optim.Optimizer):
@@ -400,3 +425,40 @@ class TensorStepAdam(torch.optim.Optimizer):
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 p.addcdiv_(m, (v.sqrt() * scale).add_(group["eps"]), value=-lr * scale)
         self.state["k"] += 1
+
+
+class StepSizeListLaProp(torch.optim.Optimizer):
+    """LaProp (Ziyin et al. 2020) as pytorch_optimizer's foreach path writes it: each
+    tensor's bias correction a Python float in its state (``exp_avg_lr_1``, an average of
+    the learning rates), the step sizes made with ``torch.tensor([...])`` of those floats
+    and unbound for ``_foreach_addcmul_``; the momentum averages the normalized gradient."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-15):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (b1, b2), lr = group["betas"], group["lr"]
+            params = [p for p in group["params"] if p.grad is not None]
+            sizes = []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                    state["exp_avg_lr_1"] = 0.0
+                state["exp_avg_lr_1"] = state["exp_avg_lr_1"] * b1 + (1.0 - b1) * lr
+                sizes.append(-1.0 / (state["exp_avg_lr_1"] / lr))
+            step_sizes = torch.tensor(sizes, dtype=torch.float32, device=params[0].device)
+            grads = [p.grad for p in params]
+            ms = [self.state[p]["exp_avg"] for p in params]
+            vs = [self.state[p]["exp_avg_sq"] for p in params]
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
+            denoms = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denoms, (1.0 - b2 ** group["step"]) ** 0.5)
+            torch._foreach_add_(denoms, group["eps"])
+            torch._foreach_mul_(ms, b1)
+            torch._foreach_addcdiv_(ms, grads, denoms, value=(1.0 - b1) * lr)
+            torch._foreach_addcmul_(params, ms, step_sizes.unbind())

@@ -610,6 +610,28 @@ def _lerp_keywords_specialize(name):
     scalars._lerp_operands = lambda args, kwargs: [None] if kwargs else orig(args, kwargs)
 
 
+@_mutation("foreach_lerp_keywords_specialize")
+def _foreach_lerp_keywords_specialize(name):
+    """A ``_foreach_lerp_`` given its weight by keyword (schedule-free's
+    ``weight=ckp1``) keeps its float weight (it specializes), as before."""
+    from collage_compile.passes import scalars
+
+    orig = scalars._rewrite_foreach
+
+    def rewrite(graph, node, op, tensors):
+        return None if op == "lerp" and node.kwargs else orig(graph, node, op, tensors)
+
+    scalars._rewrite_foreach = rewrite
+
+
+@_mutation("float_lists_specialize")
+def _float_lists_specialize(name):
+    """``torch.tensor([floats])`` keeps its floats (they specialize), as before."""
+    from collage_compile.passes import scalars
+
+    scalars._floats_list = lambda x: False
+
+
 @_mutation("clamps_left")
 def _clamps_left(name):
     """A clamp of a weight is not a bound the pair carries: lo restarts after it (named)."""
