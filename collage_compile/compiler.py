@@ -283,6 +283,7 @@ def _compile_rewritten(
 ) -> Callable[..., Any]:
     from collage_compile import passes
 
+    passes.foreach_sub.run(original)  # on Dynamo's graph: every path below compiles it
     gm = _compat.copy_graph_module(original)
     _compat.take_step_ticks(gm)
     normalized = passes.normalize(gm, config)

@@ -6,7 +6,12 @@
 4. ``maximum``   -- ``torch.maximum(x, y, out=x)``, ``_foreach_maximum_`` (Adamax's ``exp_inf``)
 5. ``copy_expr`` -- ``copy_(f(old))`` through affine ops, and overwrites (``copy_``, ``fill_``, ``zero_``)
 
-Before them, normalizations run on the graph where the configuration asks for them:
+First, on Dynamo's graph itself (every path to Inductor compiles it):
+
+0. ``foreach_sub`` -- ``_foreach_sub(a, b, alpha=c)`` as ``_foreach_add(a, b, alpha=-c)``:
+   torch 2.11's Inductor drops a foreach subtraction's ``alpha`` (see its docstring)
+
+Before the families, normalizations run on the graph where the configuration asks for them:
 
 0. ``eager_alpha`` (``arithmetic="storage"``) -- ``a.add(b, alpha=c)`` on bf16/fp16 spelled
    out in fp32 with one cast, so it rounds once as eager does (see its docstring)
@@ -47,6 +52,7 @@ from collage_compile.passes import (
     copy_expr,
     decay,
     eager_alpha,
+    foreach_sub,
     lerp,
     maximum,
     promote,
@@ -93,6 +99,6 @@ def uuid() -> str:
     """Hash of every family's source, so a changed pass changes cache keys."""
     h = hashlib.sha256()
     passes = (*(fn for _, _, fn in NORMALIZATIONS), *(fn for _, fn in FAMILIES))
-    for fn in (*passes, scalars.run, promote.run):
+    for fn in (*passes, foreach_sub.run, scalars.run, promote.run):
         h.update(inspect.getsource(inspect.getmodule(fn)).encode())
     return h.hexdigest()[:16]

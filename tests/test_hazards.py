@@ -603,3 +603,41 @@ def test_a_clamp_constraint_in_a_step_post_hook_is_carried(mode):
     plain_err = relative_error(run(False).detach().double(), ref, start)
     print(f"{mode}: collage {err:.2e}, plain bf16 {plain_err:.2e}")
     assert err <= 1e-3 and plain_err >= 25 * err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_foreach_subtraction_keeps_its_alpha(dtype):
+    """torch 2.11's Inductor lowers ``_foreach_sub`` without its ``alpha``: schedule-free's
+    ``torch._foreach_sub_(z, grads, alpha=lr)`` subtracted whole gradients, silently, and
+    its foreach AdamW moved 16x as far as its float64 run, under plain Inductor too.  The
+    backend spells it as ``_foreach_add`` of ``-alpha`` on Dynamo's graph
+    (``passes/foreach_sub.py``; ``MUT=foreach_sub_kept``): fp32 tensors (a graph without
+    pairs), bf16 optimizer state and bf16 weights (pairs) each move by ``alpha`` times
+    their gradient, and no subtraction with an ``alpha`` reaches Inductor (2.13 lowers it
+    right, so there the graph is what fails)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((8, 4), (4,))
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    zs = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    gs = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    want = [p.detach().double() - 0.01 * d.double() for p, d in zip(ps, gs)]
+    want += [z.double() - 0.001 * d.double() for z, d in zip(zs, gs)]
+    kept = []
+
+    def spy(gm, example_inputs):
+        compiled = collage_compile.backend(gm, example_inputs)
+        subs = (torch._foreach_sub, torch._foreach_sub_)
+        kept.extend(n for n in gm.graph.nodes if n.target in subs and "alpha" in n.kwargs)
+        return compiled
+
+    @torch.no_grad()
+    def step():
+        torch._foreach_sub_(zs, gs, alpha=0.001)
+        torch._foreach_sub_(ps, gs, alpha=0.01)
+
+    torch.compile(step, backend=spy)()
+    assert not kept
+    rtol = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    for t, w in zip([*ps, *zs], want):
+        err = float((t.detach().double() - w).abs().max())
+        assert err <= rtol * float(w.abs().max()), (err, dtype)

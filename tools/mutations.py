@@ -624,6 +624,14 @@ def _foreach_lerp_keywords_specialize(name):
     scalars._rewrite_foreach = rewrite
 
 
+@_mutation("foreach_sub_kept")
+def _foreach_sub_kept(name):
+    """``_foreach_sub`` keeps its ``alpha`` (torch 2.11's Inductor then drops it)."""
+    from collage_compile.passes import foreach_sub
+
+    foreach_sub.run = lambda gm: 0
+
+
 @_mutation("float_lists_specialize")
 def _float_lists_specialize(name):
     """``torch.tensor([floats])`` keeps its floats (they specialize), as before."""
