@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import warnings
 import weakref
 
 import pytest
@@ -215,3 +216,47 @@ def test_moving_a_model_to_another_device_moves_its_lo():
     for p, v in zip(model.parameters(), before):
         assert state.get_lo(p).device == p.device
         assert torch.equal(mcf_value(p).cpu(), v)
+
+
+def _unfreezing_run(dtype, mode):
+    """AdamW over a (32, 16) matrix and a (16,) vector; a second such pair joins as a
+    param group of its own at step 10 (progressive unfreezing); the values of all four at
+    step 40, and their start."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (16,)] * 2
+    start = [(torch.randn(s, generator=g) * 0.5).bfloat16() for s in shapes]
+    grads = [
+        [(0.01 + 0.005 * torch.randn(s, generator=g)).bfloat16() for s in shapes] for _ in range(40)
+    ]
+    params = [torch.nn.Parameter(w.to(dtype, copy=True)) for w in start]
+    opt = torch.optim.AdamW(params[:2], lr=1e-4, weight_decay=0.1)
+    if mode is not None:
+        collage_compile.compile_optimizer(opt, mode=mode)
+    for k, gs in enumerate(grads):
+        if k == 10:
+            opt.add_param_group({"params": params[2:], "lr": 5e-5, "weight_decay": 0.01})
+        for p, grad in zip(params, gs):
+            p.grad = grad.to(dtype, copy=True)
+        opt.step()
+    value = collage_compile.value if mode is not None else torch.Tensor.detach
+    return [value(p).double() for p in params], [w.double() for w in start]
+
+
+@pytest.mark.parametrize("mode", ["light", "exact"])
+def test_a_param_group_added_mid_training_is_compensated_from_its_first_step(mode):
+    """``opt.add_param_group`` after compiled steps (unfreezing a backbone): the step
+    compiles again over the new tensors, whose pairs start with their first step; every
+    tensor ends as close to its float64 run as when all train from the start (light:
+    within 2 % of the movement, exact: the fp32 run's distance), plain bf16 over 50 %."""
+    ref, start = _unfreezing_run(torch.float64, None)
+    fp32, _ = _unfreezing_run(torch.float32, None)
+    plain, _ = _unfreezing_run(torch.bfloat16, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", collage_compile.CollageWarning)
+        got, _ = _unfreezing_run(torch.bfloat16, mode)
+    for i, (r, s) in enumerate(zip(ref, start)):
+        moved = float((r - s).norm())
+        err, e32, e16 = (float((x[i] - r).norm()) / moved for x in (got, fp32, plain))
+        print(f"tensor {i}: {mode} {err:.1e}, fp32 {e32:.1e}, plain bf16 {e16:.2f}")
+        assert e16 > 0.5
+        assert err < (0.02 if mode == "light" else e32 + 1e-5), (i, err, e32)
