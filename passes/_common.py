@@ -47,6 +47,16 @@ def scalar_f64(x: Any) -> Any:
     return zero + x
 
 
+def _is_symbolic_int(node: Any) -> bool:
+    """A graph value that is a SymInt with free symbols (a step count Dynamo made dynamic,
+    or arithmetic on one): ``k + 1`` in a float's arithmetic is mirrored as a float64 tensor,
+    exact below 2**53."""
+    if not isinstance(node, fx.Node):
+        return False
+    ex = _compat.example_value(node)
+    return isinstance(ex, torch.SymInt) and bool(_compat.free_symbols(ex))
+
+
 def is_symbolic_float(node: Any) -> bool:
     """A graph value that is a SymFloat with free symbols (a float input Dynamo made
     dynamic, such as a scheduled lr, or arithmetic on one)."""
@@ -98,12 +108,32 @@ def hyperparameter_device(node: fx.Node) -> torch.device | None:
 # same order, except that a tensor divides a constant by it as reciprocal * constant (two
 # roundings) and a GPU kernel may fuse a * b + c or divide by a constant's reciprocal; each
 # at most one float64 ulp, as the tensorification's own arithmetic
+def _f64_max(a: Any, b: Any) -> Any:
+    """Python's ``max`` of two floats, at least one a float64 0-dim tensor."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.maximum(a, b)
+    t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+    return torch.clamp_min(t, n)
+
+
+def _f64_min(a: Any, b: Any) -> Any:
+    """Python's ``min`` of two floats, at least one a float64 0-dim tensor."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.minimum(a, b)
+    t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+    return torch.clamp_max(t, n)
+
+
 _FLOAT_ARITHMETIC: dict[Any, Callable[..., Any]] = {
     operator.neg: operator.neg,
     operator.add: operator.add,
     operator.sub: operator.sub,
     operator.mul: operator.mul,
     operator.truediv: operator.truediv,
+    # schedule-free's weight, ((k + 1) ** r) * (max(lr, lr_max) ** 2), k a step count
+    operator.pow: operator.pow,
+    torch.sym_max: _f64_max,
+    torch.sym_min: _f64_min,
 }
 
 
@@ -129,10 +159,10 @@ def mirrors_arithmetic(x: fx.Node) -> bool:
 def _is_float_arithmetic(x: Any) -> bool:
     if is_number(x):
         return True
-    if not isinstance(x, fx.Node) or not is_symbolic_float(x):
+    if not isinstance(x, fx.Node) or not (is_symbolic_float(x) or _is_symbolic_int(x)):
         return False
     if _compat.is_symbol(_compat.example_value(x)):
-        return True  # a float input (a leaf)
+        return True  # a float input or a step count (a leaf)
     return (
         x.op == "call_function"
         and x.target in _FLOAT_ARITHMETIC

@@ -78,7 +78,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=False
     ):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, {**defaults, "k": 0, "weight_sum": 0.0})
+        super().__init__(params, {**defaults, "k": 0, "weight_sum": 0.0, "lr_max": -1.0})
         self.foreach = foreach
 
     @torch.no_grad()
@@ -86,7 +86,10 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             (beta1, beta2), lr, k = group["betas"], group["lr"], group["k"]
             bias_correction2 = 1 - beta2 ** (k + 1)
-            weight = lr**2
+            # its weight as it writes it (r = 0, weight_lr_power = 2): torch 2.11's float
+            # tensorification specialized max() and a step count's power (passes/_common)
+            lr_max = group["lr_max"] = max(lr, group["lr_max"])
+            weight = ((k + 1) ** 0.0) * (lr_max**2.0)
             group["weight_sum"] = weight_sum = group["weight_sum"] + weight
             ckp1 = weight / weight_sum
             active = [p for p in group["params"] if p.grad is not None]

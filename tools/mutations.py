@@ -632,6 +632,21 @@ def _foreach_sub_kept(name):
     foreach_sub.run = lambda gm: 0
 
 
+@_mutation("float_max_and_int_pow_unmirrored")
+def _float_max_and_int_pow_unmirrored(name):
+    """A float's ``max()`` and a step count's power are not mirrored as tensor arithmetic
+    (torch 2.11's tensorification then specializes the float; 2.13's does not)."""
+    import operator
+
+    import torch
+
+    from collage_compile.passes import _common
+
+    for op in (operator.pow, torch.sym_max, torch.sym_min):
+        _common._FLOAT_ARITHMETIC.pop(op)
+    _common._is_symbolic_int = lambda node: False
+
+
 @_mutation("float_lists_specialize")
 def _float_lists_specialize(name):
     """``torch.tensor([floats])`` keeps its floats (they specialize), as before."""
