@@ -107,23 +107,10 @@ def hyperparameter_device(node: fx.Node) -> torch.device | None:
 # Python arithmetic on floats, as float64 tensor arithmetic: the same IEEE operations in the
 # same order, except that a tensor divides a constant by it as reciprocal * constant (two
 # roundings) and a GPU kernel may fuse a * b + c or divide by a constant's reciprocal; each
-# at most one float64 ulp, as the tensorification's own arithmetic
-def _f64_max(a: Any, b: Any) -> Any:
-    """Python's ``max`` of two floats, at least one a float64 0-dim tensor."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.maximum(a, b)
-    t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-    return torch.clamp_min(t, n)
-
-
-def _f64_min(a: Any, b: Any) -> Any:
-    """Python's ``min`` of two floats, at least one a float64 0-dim tensor."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.minimum(a, b)
-    t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-    return torch.clamp_max(t, n)
-
-
+# at most one float64 ulp, as the tensorification's own arithmetic.  ``**`` is not one IEEE
+# operation: Inductor expands a small integer power into products and a GPU's float64 pow
+# is not libm's, a float64 ulp or two, gone in the cast to fp32.  ``max``/``min`` of a
+# tensor and a number are built as clamps (:func:`_extremum`)
 _FLOAT_ARITHMETIC: dict[Any, Callable[..., Any]] = {
     operator.neg: operator.neg,
     operator.add: operator.add,
@@ -132,9 +119,20 @@ _FLOAT_ARITHMETIC: dict[Any, Callable[..., Any]] = {
     operator.truediv: operator.truediv,
     # schedule-free's weight, ((k + 1) ** r) * (max(lr, lr_max) ** 2), k a step count
     operator.pow: operator.pow,
-    torch.sym_max: _f64_max,
-    torch.sym_min: _f64_min,
+    torch.sym_max: torch.maximum,
+    torch.sym_min: torch.minimum,
 }
+_CLAMPS = {torch.maximum: torch.clamp_min, torch.minimum: torch.clamp_max}
+
+
+def _extremum(target: Any, args: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+    """``maximum(a, b)`` of two tensors, ``clamp_min(t, n)`` of a tensor and a number: torch
+    functions, so that the graph stays cacheable (AOTAutograd's cache bypasses a graph that
+    calls a Python function of ours)."""
+    if target not in _CLAMPS or all(isinstance(a, fx.Node) for a in args):
+        return target, tuple(args)
+    t, n = (args[0], args[1]) if isinstance(args[0], fx.Node) else (args[1], args[0])
+    return _CLAMPS[target], (t, n)
 
 
 def mirrors_arithmetic(x: fx.Node) -> bool:
@@ -153,7 +151,23 @@ def mirrors_arithmetic(x: fx.Node) -> bool:
     arithmetic in eager's order (the tensorification rebuilds it from the simplified
     expression, ``lr * bc**-1`` for ``lr / bc``)."""
     ex = _compat.example_value(x)
-    return isinstance(ex, torch.SymFloat) and not _compat.is_symbol(ex) and _is_float_arithmetic(x)
+    return (
+        isinstance(ex, torch.SymFloat)
+        and not _compat.is_symbol(ex)
+        and _is_float_arithmetic(x)
+        and _reads_a_float_input(x)
+    )
+
+
+def _reads_a_float_input(x: Any) -> bool:
+    """Whether arithmetic ``x`` reads a float input (a hyperparameter), not only sizes or
+    step counts: ``x * (1.0 / s0)`` in a forward pass under dynamic shapes is left alone."""
+    if not isinstance(x, fx.Node):
+        return False
+    ex = _compat.example_value(x)
+    if _compat.is_symbol(ex):
+        return isinstance(ex, torch.SymFloat)
+    return any(_reads_a_float_input(a) for a in x.args)
 
 
 def _is_float_arithmetic(x: Any) -> bool:
@@ -182,8 +196,9 @@ def _mirror(graph: fx.Graph, x: fx.Node, device: Any, made: dict[Any, fx.Node]) 
         node = hyperparameter_f64(graph, x, device)
     else:
         args = [a if is_number(a) else _mirror(graph, a, device, made) for a in x.args]
+        target, args = _extremum(_FLOAT_ARITHMETIC[x.target], args)
         with graph.inserting_after(x):
-            node = graph.call_function(_FLOAT_ARITHMETIC[x.target], tuple(args))
+            node = graph.call_function(target, args)
         node.meta[_EXACT_F64] = True
         fake = _compat.fake_scalar_f64(ex, device)
         if fake is not None:
