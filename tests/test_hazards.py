@@ -641,3 +641,23 @@ def test_a_foreach_subtraction_keeps_its_alpha(dtype):
     for t, w in zip([*ps, *zs], want):
         err = float((t.detach().double() - w).abs().max())
         assert err <= rtol * float(w.abs().max()), (err, dtype)
+
+
+def test_a_forward_pass_scaled_by_its_size_is_left_to_inductor(monkeypatch):
+    """Size arithmetic in a forward pass under dynamic shapes (``x * (1.0 / x.size(0))``)
+    is not a hyperparameter: the float arithmetic the backend rebuilds as float64 tensors
+    (so that 2.11 does not specialize a learning rate) must read a float input, or the
+    forward graph gets float64 device work it never asked for
+    (``MUT=size_arithmetic_mirrored``)."""
+    from collage_compile.passes import scalars
+
+    counts = []
+    run = scalars.run
+    monkeypatch.setattr(scalars, "run", lambda gm: counts.append(run(gm)) or counts[-1])
+    f = torch.compile(
+        lambda x: x * (1.0 / x.size(0)), backend=collage_compile.backend, dynamic=True
+    )
+    for n in (8, 16):
+        x = torch.randn(n)
+        assert torch.allclose(f(x), x / n)
+    assert counts and not any(counts), counts

@@ -647,6 +647,14 @@ def _float_max_and_int_pow_unmirrored(name):
     _common._is_symbolic_int = lambda node: False
 
 
+@_mutation("size_arithmetic_mirrored")
+def _size_arithmetic_mirrored(name):
+    """Float arithmetic on sizes alone is rebuilt as float64 tensors too."""
+    from collage_compile.passes import _common
+
+    _common._reads_a_float_input = lambda x: True
+
+
 @_mutation("float_lists_specialize")
 def _float_lists_specialize(name):
     """``torch.tensor([floats])`` keeps its floats (they specialize), as before."""
